@@ -1,0 +1,27 @@
+# Two entry points for a fresh machine: `make run` (the pipeline) and `make test` (the suite).
+# Both create .venv and install the pinned dependencies first.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+export PATH := $(CURDIR)/$(BIN):$(PATH)  # stage commands call `python` from the venv
+
+export DVC_NO_ANALYTICS := 1
+export DO_NOT_TRACK := true
+export PREFECT_SERVER_ANALYTICS_ENABLED := false
+export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS := 120
+export MLFLOW_SERVER_ENABLE_JOB_EXECUTION := false
+
+.PHONY: run test venv
+
+venv: $(VENV)/.installed
+
+$(VENV)/.installed: requirements.txt requirements.lock
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --disable-pip-version-check -r requirements.txt -c requirements.lock
+	touch $@
+
+run: venv
+	$(BIN)/dvc repro
+
+test: venv
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)

@@ -1,0 +1,48 @@
+"""`prepare` stage: partition one dataset into data/partitions/<dataset>/.
+
+Plain Python rather than a Prefect flow: it runs once per dataset and would otherwise pay
+Prefect's ephemeral-server start for nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import flows  # noqa: F401  (environment defaults)
+from pfl_tasks.config import ConfigError, load_params
+from pfl_tasks.data import DataValidationError, build_partition, write_partition
+from pfl_tasks.data.partition import PartitionError
+
+PARTITIONS = Path("data/partitions")
+
+
+def prepare(dataset: str, params_path: str = "params.yaml", out_root: Path = PARTITIONS) -> Path:
+    params = load_params(params_path)
+    if dataset not in params.datasets:
+        raise ConfigError(f"unknown dataset '{dataset}'; params.yaml has {sorted(params.datasets)}")
+    table, manifest = build_partition(dataset, params.datasets[dataset], params.seed)
+    out = Path(out_root) / dataset
+    write_partition(table, manifest, out)
+    counts = [c["train"] + c["test"] for c in manifest["clients"]]
+    print(f"{dataset}: {len(table)} samples, {manifest['n_clients']} clients "
+          f"(sizes {min(counts)}..{max(counts)}) -> {out}")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("dataset")
+    parser.add_argument("--params", default="params.yaml")
+    args = parser.parse_args(argv)
+    try:
+        prepare(args.dataset, args.params)
+    except (ConfigError, DataValidationError, PartitionError) as err:
+        print(f"prepare failed: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

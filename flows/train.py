@@ -1,0 +1,316 @@
+"""`train` stage: every algorithm of one experiment, each as one Prefect flow run.
+
+Per round the flow runs tasks `sample_clients` -> `local_update` (mapped over client chunks,
+in parallel on the task runner) -> `aggregate`, then `evaluate` every `eval_every` rounds and
+`checkpoint` every `checkpoint_every` rounds. `engine.orchestrator: inline` runs the very same
+steps as plain calls, to measure Prefect's cost and to keep unit tests fast.
+
+    python -m flows.train <experiment> [--on-config-change refuse|restart|resume]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import flows  # noqa: F401  (environment defaults)
+from prefect import flow, task, unmapped
+from prefect.cache_policies import NO_CACHE
+from prefect.task_runners import ThreadPoolTaskRunner
+
+from pfl_tasks.algorithms import build, validate_params
+from pfl_tasks.algorithms.federation import Federation, RunState
+from pfl_tasks.config import ConfigError, ResolvedExperiment, config_hash, load_params
+from pfl_tasks.data import DataValidationError, load_partition
+from pfl_tasks.engine.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from pfl_tasks.tracking import (
+    MlflowRun,
+    best_index,
+    final_metrics,
+    flatten,
+    git_commit,
+    learning_curve_png,
+    per_client_rows,
+    source_hash,
+    summarize_eval,
+    write_csv,
+    write_dvc_outputs,
+)
+
+PARTITIONS = Path("data/partitions")
+
+
+@dataclass(frozen=True)
+class RunPaths:
+    checkpoint: Path
+    metrics: Path
+    curve: Path
+
+    @classmethod
+    def of(cls, root: Path, experiment: str, run_name: str) -> RunPaths:
+        return cls(
+            checkpoint=root / "models" / experiment / run_name / "checkpoint.pt",
+            metrics=root / "metrics" / experiment / f"{run_name}.json",
+            curve=root / "plots" / experiment / f"{run_name}.csv",
+        )
+
+
+# ----------------------------------------------------------------------------- round steps
+def run_round(steps, fed: Federation, state: RunState, round_idx: int) -> RunState:
+    ids = steps.sample(fed, round_idx)
+    payload = fed.algorithm.payload(state.server)
+    results = steps.local_updates(fed, round_idx, payload, fed.chunks(ids), state.clients)
+    return steps.aggregate(fed, round_idx, state, results)
+
+
+TASK_OPTIONS = dict(cache_policy=NO_CACHE, persist_result=False)
+
+
+@task(**TASK_OPTIONS, task_run_name="round-{round_idx}/sample_clients")
+def sample_clients(fed: Federation, round_idx: int):
+    return fed.sample_clients(round_idx)
+
+
+@task(**TASK_OPTIONS, task_run_name="round-{round_idx}/local_update-chunk-{chunk_idx}")
+def local_update(fed, round_idx: int, chunk_idx: int, payload, ids, clients):
+    return fed.local_update(round_idx, payload, ids, clients)
+
+
+@task(**TASK_OPTIONS, task_run_name="round-{round_idx}/aggregate")
+def aggregate(fed, round_idx: int, state, results):
+    return fed.aggregate(state, results)
+
+
+@task(**TASK_OPTIONS, task_run_name="round-{round_idx}/evaluate")
+def evaluate(fed, round_idx: int, state):
+    return fed.evaluate(state)
+
+
+@task(**TASK_OPTIONS, task_run_name="round-{round_idx}/checkpoint")
+def checkpoint(path: Path, round_idx: int, payload: dict):
+    save_checkpoint(path, payload)
+
+
+class PrefectSteps:
+    """Each step a Prefect task run; chunks are mapped onto the flow's task runner."""
+
+    sample = staticmethod(sample_clients)
+    aggregate = staticmethod(aggregate)
+    evaluate = staticmethod(evaluate)
+    checkpoint = staticmethod(checkpoint)
+
+    @staticmethod
+    def local_updates(fed, round_idx, payload, chunks, clients):
+        return local_update.map(
+            unmapped(fed), round_idx, range(len(chunks)), unmapped(payload), chunks,
+            unmapped(clients),
+        ).result()
+
+
+class InlineSteps:
+    """The same steps as plain calls (chunks on a thread pool): no orchestration cost."""
+
+    def __init__(self, max_workers: int):
+        self.max_workers = max_workers
+
+    def sample(self, fed, round_idx):
+        return fed.sample_clients(round_idx)
+
+    def local_updates(self, fed, round_idx, payload, chunks, clients):
+        def one(ids):
+            return fed.local_update(round_idx, payload, ids, clients)
+
+        if len(chunks) == 1:
+            return [one(chunks[0])]
+        with ThreadPoolExecutor(self.max_workers) as pool:
+            return list(pool.map(one, chunks))
+
+    def aggregate(self, fed, round_idx, state, results):
+        return fed.aggregate(state, results)
+
+    def evaluate(self, fed, round_idx, state):
+        return fed.evaluate(state)
+
+    def checkpoint(self, path, round_idx, payload):
+        save_checkpoint(path, payload)
+
+
+# ----------------------------------------------------------------------------- one run
+def run_identity(exp: ResolvedExperiment, run_name: str, raw_hp: dict, data_hash: str) -> dict:
+    """What a checkpoint must share with this run to be resumed: config, data and library code.
+    `federation.rounds` is left out (a longer run continues a shorter one), and so is the
+    engine (resume on another device or executor)."""
+    config = {
+        "experiment": exp.model_dump(mode="json", exclude={"engine", "algorithms"}),
+        "algorithm": raw_hp,
+        "data": data_hash,
+        "code": source_hash(),
+    }
+    config["experiment"]["federation"].pop("rounds")
+    return {
+        "experiment": exp.name,
+        "algorithm": run_name,
+        "config_hash": config_hash(config),
+        "config": json.dumps(config, sort_keys=True),
+    }
+
+
+def resume_point(path: Path, identity: dict, rounds: int, on_config_change: str) -> dict | None:
+    """The checkpoint to resume from, None to start fresh; raises on foreign/corrupt files."""
+    if not path.exists():
+        return None
+    ckpt = load_checkpoint(path, {k: identity[k] for k in ("experiment", "algorithm")})
+    problem = None
+    if ckpt["config_hash"] != identity["config_hash"]:
+        old, new = json.loads(ckpt["config"]), json.loads(identity["config"])
+        changed = sorted(set(flatten(old).items()) ^ set(flatten(new).items()))
+        problem = f"configuration changed ({', '.join(sorted({k for k, _ in changed}))})"
+    elif ckpt["round"] > rounds:
+        problem = f"it is at round {ckpt['round']}, beyond federation.rounds={rounds}"
+    if problem is None or on_config_change == "resume":
+        return ckpt
+    if on_config_change == "restart":
+        print(f"{path}: {problem}; starting afresh")
+        return None
+    raise CheckpointError(
+        f"{path}: {problem}. Pass --on-config-change restart to discard it, "
+        "or --on-config-change resume to continue from it anyway."
+    )
+
+
+def train_run(
+    exp: ResolvedExperiment, run_name: str, raw_hp: dict, root: Path, steps,
+    on_config_change: str = "refuse", tracking_uri: str = "sqlite:///mlflow.db",
+    flow_run_id: str = "",
+) -> dict[str, float]:
+    data = load_partition(root / PARTITIONS / exp.dataset)
+    fed = Federation(exp, build(run_name, raw_hp), data)
+    paths = RunPaths.of(root, exp.name, run_name)
+    identity = run_identity(exp, run_name, raw_hp, data.manifest_hash)
+    fedcfg = exp.federation
+
+    ckpt = resume_point(paths.checkpoint, identity, fedcfg.rounds, on_config_change)
+    if ckpt is None:
+        state, history, tables, run_id, comm = fed.initial_state(), [], {}, None, [0, 0]
+    else:
+        state = RunState(ckpt["round"], fed.to_device(ckpt["server"]), ckpt["clients"])
+        history, tables, run_id, comm = ckpt["history"], ckpt["tables"], ckpt["mlflow_run_id"], ckpt["comm"]
+        print(f"{exp.name}/{run_name}: resuming from round {state.round}")
+
+    tracker = MlflowRun(tracking_uri, exp.name, run_name, run_id)
+    tracker.log_params_and_tags(
+        flatten({"experiment": exp.model_dump(mode="json"), "algorithm": raw_hp}),
+        {
+            "experiment": exp.name, "dataset": exp.dataset, "algorithm": run_name,
+            "algorithm_class": fed.algorithm.name, "citation": fed.algorithm.citation,
+            "seed": str(exp.seed), "git_commit": git_commit(), "data_hash": data.manifest_hash,
+            "config_hash": identity["config_hash"], "prefect_flow_run_id": flow_run_id,
+        },
+    )
+
+    def snapshot() -> dict:
+        return {
+            **identity, "round": state.round, "server": state.server, "clients": state.clients,
+            "history": history, "tables": tables, "mlflow_run_id": tracker.run_id, "comm": comm,
+            "seed": exp.seed,
+        }
+
+    for round_idx in range(state.round, fedcfg.rounds):
+        state = run_round(steps, fed, state, round_idx)
+        comm = [comm[0] + state.bytes_up, comm[1] + state.bytes_down]
+        done = state.round
+        if done % fedcfg.eval_every == 0 or done == fedcfg.rounds:
+            per_client = steps.evaluate(fed, done, state)
+            record = {"round": done, **summarize_eval(per_client),
+                      "comm/bytes_up": comm[0], "comm/bytes_down": comm[1]}
+            history.append(record)
+            tables["last"] = per_client
+            if best_index(history, data.task) == len(history) - 1:
+                tables["best"] = per_client
+            tracker.log_metrics({k: v for k, v in record.items() if k != "round"}, step=done)
+            print(f"{exp.name}/{run_name} round {done}: " + ", ".join(
+                f"{k}={v:.4f}" for k, v in record.items() if k.endswith(("acc_mean", "mse_mean"))))
+        if done % fedcfg.checkpoint_every == 0 or done == fedcfg.rounds:
+            steps.checkpoint(paths.checkpoint, done, snapshot())
+
+    final = final_metrics(history, data.task)
+    write_dvc_outputs(paths.metrics, paths.curve, final, history)
+    tracker.log_metrics(final, step=history[-1]["round"])
+    with tempfile.TemporaryDirectory() as tmp:
+        write_csv(Path(tmp) / "clients_last.csv", per_client_rows(tables["last"]))
+        write_csv(Path(tmp) / "clients_best.csv", per_client_rows(tables["best"]))
+        learning_curve_png(Path(tmp) / "learning_curve.png", history, data.task, f"{exp.name}: {run_name}")
+        tracker.log_artifacts(Path(tmp))
+    tracker.finish()
+    return final
+
+
+@flow(name="pfl-train", flow_run_name="{experiment}-{run_name}", persist_result=False)
+def train_flow(
+    experiment: str, run_name: str, params_path: str = "params.yaml", root: str = ".",
+    on_config_change: str = "refuse",
+) -> dict[str, float]:
+    from prefect.runtime import flow_run
+
+    params = validate_params(load_params(params_path))
+    return train_run(
+        params.experiment(experiment), run_name, params.algorithms[run_name], Path(root),
+        PrefectSteps(), on_config_change, params.tracking.mlflow_uri, str(flow_run.id),
+    )
+
+
+def quiet_ephemeral_shutdown() -> None:
+    """The temporary Prefect server, stopped at exit, drops the last few task-run events of
+    its recorder batch and logs a traceback for each; results are unaffected. A real server
+    (PREFECT_API_URL) keeps everything."""
+    logging.getLogger("prefect.server.services.task_run_recorder").setLevel(logging.CRITICAL)
+
+
+def train_experiment(
+    experiment: str, params_path: str = "params.yaml", root: str = ".",
+    on_config_change: str = "refuse",
+) -> dict[str, dict[str, float]]:
+    """Every algorithm of `experiment`, in this one process (one Prefect start)."""
+    params = validate_params(load_params(params_path))
+    exp = params.experiment(experiment)
+    results = {}
+    for run_name in exp.algorithms:
+        if exp.engine.orchestrator == "prefect":
+            runner = ThreadPoolTaskRunner(max_workers=exp.engine.max_workers)
+            results[run_name] = train_flow.with_options(task_runner=runner)(
+                experiment, run_name, params_path, root, on_config_change
+            )
+            quiet_ephemeral_shutdown()
+        else:
+            results[run_name] = train_run(
+                exp, run_name, params.algorithms[run_name], Path(root),
+                InlineSteps(exp.engine.max_workers), on_config_change, params.tracking.mlflow_uri,
+            )
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("experiment")
+    parser.add_argument("--params", default="params.yaml")
+    parser.add_argument(
+        "--on-config-change", choices=["refuse", "restart", "resume"], default="refuse",
+        help="what to do with a checkpoint written under another configuration",
+    )
+    args = parser.parse_args(argv)
+    try:
+        train_experiment(args.experiment, args.params, ".", args.on_config_change)
+    except (ConfigError, DataValidationError, CheckpointError) as err:
+        print(f"train failed: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

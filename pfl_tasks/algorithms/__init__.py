@@ -1,0 +1,7 @@
+"""Algorithms layer: one module per method, registered by name, plus the federated round."""
+
+from pfl_tasks.algorithms import fedavg, fedprox, local  # noqa: F401  (registration)
+from pfl_tasks.algorithms.base import Algorithm, HyperParams
+from pfl_tasks.algorithms.registry import ALGORITHMS, build, validate_params
+
+__all__ = ["ALGORITHMS", "Algorithm", "HyperParams", "build", "validate_params"]

@@ -1,0 +1,59 @@
+"""The small surface every algorithm presents (in the spirit of Flower's `Strategy`).
+
+Per round the engine calls, in order:
+  payload(server)                       -> what the server broadcasts to sampled clients
+  client_update(trainer, payload, state) -> (message up the wire [K, ...], new client state [K, ...])
+  aggregate(server, messages, weights)  -> new server state (the algorithm's own rule)
+and for evaluation of every client:
+  personalized(server, state)           -> the model each client uses
+  global_model(server)                  -> the shared model, or None if there is none
+Server state is a tree of tensors; client state is a tree of stacks with one row per client.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import ClassVar
+
+import torch
+from pydantic import BaseModel, ConfigDict
+
+from pfl_tasks.engine.executor import LocalTrainer
+from pfl_tasks.engine.state import Params, Tree
+
+
+class HyperParams(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Algorithm(ABC):
+    name: ClassVar[str]
+    citation: ClassVar[str]
+    Hyper: ClassVar[type[HyperParams]] = HyperParams
+
+    def __init__(self, hp: HyperParams):
+        self.hp = hp
+
+    def init_server(self, params: Params) -> Tree:
+        return {"global": params}
+
+    def init_clients(self, params: Params, n_clients: int) -> Tree:
+        return {}
+
+    def payload(self, server: Tree) -> Tree:
+        return {"global": server["global"]}
+
+    @abstractmethod
+    def client_update(self, trainer: LocalTrainer, payload: Tree, state: Tree) -> tuple[Tree, Tree]:
+        """Local work of a chunk of K clients; `state` rows and the returned trees are [K, ...]."""
+
+    @abstractmethod
+    def aggregate(self, server: Tree, messages: Tree, weights: torch.Tensor) -> Tree:
+        """Server rule; `weights` are the senders' training-sample counts."""
+
+    def personalized(self, server: Tree, state: Tree) -> tuple[Params, bool]:
+        """(params, stacked): a stack [K, ...] of per-client models, or one shared model."""
+        return server["global"], False
+
+    def global_model(self, server: Tree) -> Params | None:
+        return server["global"]

@@ -1,0 +1,38 @@
+"""FedAvg: local SGD from the global model, server takes the sample-weighted average.
+
+McMahan et al., "Communication-Efficient Learning of Deep Networks from Decentralized Data",
+AISTATS 2017 (Algorithm 1: weights n_k / n).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pfl_tasks.algorithms.base import Algorithm, HyperParams
+from pfl_tasks.algorithms.registry import register
+from pfl_tasks.engine.state import broadcast, weighted_mean
+
+
+class FedAvgHyper(HyperParams):
+    weighting: Literal["samples", "uniform"] = "samples"
+
+
+@register
+class FedAvg(Algorithm):
+    name = "fedavg"
+    citation = "McMahan et al., AISTATS 2017"
+    Hyper = FedAvgHyper
+
+    def objective(self, data_loss, params, aux):
+        return data_loss(params)
+
+    def client_update(self, trainer, payload, state):
+        k = len(trainer.client_ids)
+        start = broadcast(payload["global"], k)
+        trained = trainer.fit(start, self.objective, aux=start)
+        return {"params": trained}, state
+
+    def aggregate(self, server, messages, weights):
+        if self.hp.weighting == "uniform":
+            weights = weights.new_ones(weights.shape)
+        return {**server, "global": weighted_mean(messages["params"], weights)}

@@ -1,0 +1,124 @@
+"""One federated run's round steps: sample clients, local update per chunk, aggregate, evaluate.
+
+Each step is a plain method, so a Prefect flow can wrap each as a task and the inline
+orchestrator (tests, benchmarks) can call them directly. Full client state lives on the CPU;
+a chunk's rows move to the device only while that chunk trains or is evaluated.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pfl_tasks.algorithms.base import Algorithm
+from pfl_tasks.config import ResolvedExperiment
+from pfl_tasks.data import FederatedData
+from pfl_tasks.engine.evaluate import evaluate_clients
+from pfl_tasks.engine.executor import make_trainer
+from pfl_tasks.engine.state import Tree, concat, gather, scatter, to_device, tree_bytes, tree_map
+from pfl_tasks.nets import build_net, init_params
+
+
+@dataclass
+class RunState:
+    round: int  # completed rounds
+    server: Tree
+    clients: Tree  # stacks with one row per client, on the CPU
+    bytes_up: int = 0  # sent in the last round, all clients together
+    bytes_down: int = 0
+
+
+@dataclass
+class ChunkResult:
+    ids: torch.Tensor
+    messages: Tree  # on the device
+    clients: Tree  # on the CPU
+    bytes_down: int
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("engine.device is 'cuda' but no CUDA device is available")
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(name)
+
+
+class Federation:
+    def __init__(self, exp: ResolvedExperiment, algorithm: Algorithm, data: FederatedData):
+        self.exp, self.algorithm = exp, algorithm
+        self.device = resolve_device(exp.engine.device)
+        self.task = data.task
+        self.train = _split_to(data.train, self.device)
+        self.test = _split_to(data.test, self.device)
+        self.n_clients = data.n_clients
+        self.net = build_net(exp.model, data.feature_shape, data.n_outputs)
+        # functional_call swaps a module's tensors while it runs, so concurrent chunks each
+        # get their own module: a copy of this storage-free template
+        self._template = copy.deepcopy(self.net).to("meta")
+
+    def fresh_net(self) -> torch.nn.Module:
+        return copy.deepcopy(self._template)
+
+    def initial_state(self) -> RunState:
+        params = init_params(self.net, self.exp.seed)
+        server = to_device(self.algorithm.init_server(params), self.device)
+        clients = tree_map(lambda t: t.cpu(), self.algorithm.init_clients(params, self.n_clients))
+        return RunState(0, server, clients)
+
+    def to_device(self, tree: Tree) -> Tree:
+        return to_device(tree, self.device)
+
+    def sample_clients(self, round_idx: int) -> torch.Tensor:
+        fed = self.exp.federation
+        k = fed.clients_per_round or max(1, round(fed.participation * self.n_clients))
+        k = min(k, self.n_clients)
+        rng = np.random.default_rng([self.exp.seed, round_idx, 0x5A3])
+        return torch.as_tensor(np.sort(rng.choice(self.n_clients, k, replace=False)))
+
+    def chunks(self, ids: torch.Tensor) -> list[torch.Tensor]:
+        return list(torch.split(ids, self.exp.engine.chunk_size))
+
+    def local_update(self, round_idx: int, payload: Tree, ids: torch.Tensor, clients: Tree) -> ChunkResult:
+        trainer = make_trainer(
+            self.exp.engine.executor, self.fresh_net(), self.task, self.train, ids, self.exp.local,
+            self.exp.seed, round_idx,
+        )
+        state = to_device(gather(clients, ids), self.device)
+        messages, new_state = self.algorithm.client_update(trainer, payload, state)
+        new_state = tree_map(lambda t: t.cpu(), new_state)
+        return ChunkResult(ids, messages, new_state, tree_bytes(payload) * len(ids))
+
+    def aggregate(self, state: RunState, results: list[ChunkResult]) -> RunState:
+        ids = torch.cat([r.ids for r in results])
+        messages = concat([r.messages for r in results])
+        weights = self.train.counts[ids.to(self.device)].to(torch.float64)
+        server = self.algorithm.aggregate(state.server, messages, weights)
+        clients = state.clients
+        if clients:
+            clients = scatter(clients, ids, concat([r.clients for r in results]))
+        up = tree_bytes(messages)
+        return RunState(state.round + 1, server, clients, up, sum(r.bytes_down for r in results))
+
+    def evaluate(self, state: RunState) -> dict[str, dict[str, torch.Tensor]]:
+        """Per-client test metrics of every client, for the personalized and global models."""
+        out: dict[str, list[dict]] = {"personalized": [], "global": []}
+        shared = self.algorithm.global_model(state.server)
+        for ids in self.chunks(torch.arange(self.n_clients)):
+            chunk = to_device(gather(state.clients, ids), self.device)
+            params, stacked = self.algorithm.personalized(state.server, chunk)
+            personal = self._eval(ids, params, stacked)
+            out["personalized"].append(personal)
+            if shared is not None:  # no personalization (e.g. FedAvg): the same numbers
+                out["global"].append(personal if params is shared else self._eval(ids, shared, False))
+        return {kind: concat(parts) for kind, parts in out.items() if parts}
+
+    def _eval(self, ids, params, stacked) -> dict[str, torch.Tensor]:
+        return evaluate_clients(self.fresh_net(), self.task, self.test, ids.to(self.device), params, stacked)
+
+
+def _split_to(split, device):
+    return type(split)(*(t.to(device) for t in (split.x, split.y, split.offsets, split.counts)))

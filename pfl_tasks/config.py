@@ -1,0 +1,315 @@
+"""Typed configuration: `params.yaml` is validated into these models.
+
+Every model forbids unknown keys, and every error names the dotted key path, so a typo in
+`params.yaml` fails before any work starts. Algorithm hyper-parameters are validated by the
+algorithm registry (`pfl_tasks.algorithms.validate_params`), which owns their types.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Annotated, Any, Literal, Union
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+PositiveInt = Annotated[int, Field(gt=0)]
+PositiveFloat = Annotated[float, Field(gt=0)]
+Fraction = Annotated[float, Field(gt=0, lt=1)]
+
+
+class ConfigError(ValueError):
+    """A configuration problem; the message names the offending dotted key."""
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _name_allowed_keys(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            unknown = sorted(set(data) - set(cls.model_fields))
+            if unknown:
+                raise ValueError(
+                    f"unknown key(s) {unknown}; allowed: {sorted(cls.model_fields)}"
+                )
+        return data
+
+
+# ----------------------------------------------------------------------------- data sources
+class SyntheticSource(Strict):
+    """FedProx Synthetic(alpha, beta) (Li et al., MLSys 2020, sec. 5.1)."""
+
+    name: Literal["synthetic"]
+    alpha: Annotated[float, Field(ge=0)] = 0.5
+    beta: Annotated[float, Field(ge=0)] = 0.5
+    n_clients: PositiveInt = 30
+    dim: PositiveInt = 60
+    n_classes: Annotated[int, Field(ge=2)] = 10
+    size_log_mean: float = 4.0
+    size_log_sigma: Annotated[float, Field(ge=0)] = 2.0
+    size_min: PositiveInt = 50
+    size_max: PositiveInt | None = None
+
+
+class DigitsSource(Strict):
+    """sklearn's bundled 8x8 handwritten digits (1797 images, real data, offline)."""
+
+    name: Literal["digits"]
+
+
+class PolynomialSource(Strict):
+    """Learn2pFed polynomial regression, settings 1-3 (shared/reference/learn2pfed.md)."""
+
+    name: Literal["polynomial"]
+    setting: Literal[1, 2, 3] = 1
+    n_clients: PositiveInt = 5
+    n_points: PositiveInt = 1000
+    noise: Annotated[float, Field(ge=0)] = 0.1
+
+
+Source = Annotated[
+    Union[SyntheticSource, DigitsSource, PolynomialSource], Field(discriminator="name")
+]
+
+
+# ----------------------------------------------------------------------------- partitioners
+class IIDPartition(Strict):
+    kind: Literal["iid"]
+    n_clients: PositiveInt
+
+
+class DirichletPartition(Strict):
+    """Label skew: each class spread over clients by Dirichlet(alpha) proportions."""
+
+    kind: Literal["dirichlet"]
+    n_clients: PositiveInt
+    alpha: PositiveFloat
+    min_samples: Annotated[int, Field(ge=2)] = 10
+
+
+class ShardsPartition(Strict):
+    """Pathological skew: exactly `classes_per_client` classes on every client."""
+
+    kind: Literal["shards"]
+    n_clients: PositiveInt
+    classes_per_client: PositiveInt = 2
+
+
+class NaturalPartition(Strict):
+    """One client per natural group (a synthetic device, a polynomial segment, a station)."""
+
+    kind: Literal["natural"] = "natural"
+
+
+Partition = Annotated[
+    Union[IIDPartition, DirichletPartition, ShardsPartition, NaturalPartition],
+    Field(discriminator="kind"),
+]
+
+
+class DatasetConfig(Strict):
+    source: Source
+    partition: Partition = NaturalPartition()
+    test_fraction: Fraction = 0.2
+
+
+# ----------------------------------------------------------------------------- nets
+class LinearNet(Strict):
+    kind: Literal["linear"]
+    bias: bool = True
+
+
+class MLPNet(Strict):
+    kind: Literal["mlp"]
+    hidden: list[PositiveInt] = [100]
+
+
+class CNNNet(Strict):
+    kind: Literal["cnn"]
+    channels: list[PositiveInt] = [32, 64]
+    hidden: PositiveInt = 128
+
+
+NetConfig = Annotated[Union[LinearNet, MLPNet, CNNNet], Field(discriminator="kind")]
+
+
+# ----------------------------------------------------------------------------- training
+class OptimizerConfig(Strict):
+    name: Literal["sgd", "adam"] = "sgd"
+    lr: PositiveFloat = 0.05
+    momentum: Annotated[float, Field(ge=0, lt=1)] = 0.0
+    weight_decay: Annotated[float, Field(ge=0)] = 0.0
+    betas: tuple[Fraction, Fraction] = (0.9, 0.999)
+    eps: PositiveFloat = 1e-8
+
+
+class LocalConfig(Strict):
+    """Local work per round: a fixed number of steps, or epochs over each client's own data."""
+
+    steps: PositiveInt | None = 10
+    epochs: PositiveInt | None = None  # when set, replaces `steps`
+    batch_size: PositiveInt | None = 32  # None: full batch
+    optimizer: OptimizerConfig = OptimizerConfig()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_budget(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("epochs") is not None:
+            if data.get("steps") is not None:
+                raise ValueError("set either 'steps' or 'epochs', not both")
+            data = {**data, "steps": None}
+        return data
+
+
+class FederationConfig(Strict):
+    rounds: PositiveInt = 30
+    participation: Annotated[float, Field(gt=0, le=1)] = 1.0
+    clients_per_round: PositiveInt | None = None  # overrides participation when set
+    eval_every: PositiveInt = 5
+    checkpoint_every: PositiveInt = 5
+
+
+class EngineConfig(Strict):
+    executor: Literal["vectorized", "sequential"] = "vectorized"
+    chunk_size: PositiveInt = 128
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    orchestrator: Literal["prefect", "inline"] = "prefect"
+    max_workers: PositiveInt = 2
+
+
+class TrackingConfig(Strict):
+    mlflow_uri: str = "sqlite:///mlflow.db"  # MLFLOW_TRACKING_URI overrides
+
+
+class ExperimentConfig(Strict):
+    dataset: str
+    model: NetConfig
+    algorithms: list[str] | None = None  # None: every algorithm under `algorithms`
+    federation: dict[str, Any] = {}  # overrides of the top-level section
+    local: dict[str, Any] = {}
+
+
+class ResolvedExperiment(Strict):
+    """One experiment with the top-level defaults merged in: what a training run needs."""
+
+    name: str
+    seed: int
+    dataset: str
+    model: NetConfig
+    algorithms: list[str]
+    federation: FederationConfig
+    local: LocalConfig
+    engine: EngineConfig
+
+
+class Params(Strict):
+    seed: int = 0
+    datasets: dict[str, DatasetConfig]
+    experiments: dict[str, ExperimentConfig]
+    federation: FederationConfig = FederationConfig()
+    local: LocalConfig = LocalConfig()
+    engine: EngineConfig = EngineConfig()
+    tracking: TrackingConfig = TrackingConfig()
+    algorithms: dict[str, dict[str, Any]]
+
+    @model_validator(mode="after")
+    def _cross_references(self) -> Params:
+        for name, exp in self.experiments.items():
+            if exp.dataset not in self.datasets:
+                raise ValueError(
+                    f"experiments.{name}.dataset: '{exp.dataset}' is not under 'datasets' "
+                    f"(have: {sorted(self.datasets)})"
+                )
+            for alg in exp.algorithms or []:
+                if alg not in self.algorithms:
+                    raise ValueError(
+                        f"experiments.{name}.algorithms: '{alg}' is not under 'algorithms' "
+                        f"(have: {sorted(self.algorithms)})"
+                    )
+        return self
+
+    def experiment(self, name: str) -> ResolvedExperiment:
+        if name not in self.experiments:
+            raise ConfigError(f"unknown experiment '{name}'; have: {sorted(self.experiments)}")
+        exp = self.experiments[name]
+        sections = {}
+        for key, model, base in (
+            ("federation", FederationConfig, self.federation),
+            ("local", LocalConfig, self.local),
+        ):
+            override = getattr(exp, key)
+            base_values = base.model_dump(exclude_unset=True)
+            if "steps" in override or "epochs" in override:  # one local budget replaces the other
+                base_values = {k: v for k, v in base_values.items() if k not in ("steps", "epochs")}
+            merged = _deep_merge(base_values, override)
+            sections[key] = _validate(model, merged, prefix=f"experiments.{name}.{key}")
+        return ResolvedExperiment(
+            name=name,
+            seed=self.seed,
+            dataset=exp.dataset,
+            model=exp.model,
+            algorithms=exp.algorithms or list(self.algorithms),
+            engine=self.engine,
+            **sections,
+        )
+
+
+def _deep_merge(base: dict, override: dict) -> dict:
+    out = dict(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+_UNION_FIELDS = {"source", "partition", "model"}
+
+
+def _dotted(loc: tuple, prefix: str) -> str:
+    """Dotted key path of a pydantic error location, without discriminator tags."""
+    parts = [str(p) for i, p in enumerate(loc) if not (i and str(loc[i - 1]) in _UNION_FIELDS)]
+    return ".".join(p for p in [prefix, *parts] if p)
+
+
+def _validate(model: type[BaseModel], data: Any, prefix: str = "") -> Any:
+    try:
+        return model.model_validate(data)
+    except ValidationError as err:
+        lines = []
+        for e in err.errors():
+            where = _dotted(e["loc"], prefix) or "(top level)"
+            msg = e["msg"].removeprefix("Value error, ")
+            lines.append(f"  {where}: {msg}")
+        raise ConfigError("invalid configuration:\n" + "\n".join(lines)) from None
+
+
+def parse_params(data: Any) -> Params:
+    params = _validate(Params, data)
+    for name in params.experiments:
+        params.experiment(name)
+    return params
+
+
+def load_params(path: str | Path = "params.yaml") -> Params:
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as err:
+        raise ConfigError(f"cannot read {path}: {err}") from None
+    try:
+        return parse_params(data)
+    except ConfigError as err:
+        raise ConfigError(f"{path}: {err}") from None
+
+
+def config_hash(config: BaseModel | dict) -> str:
+    """Stable short hash of a config (sorted JSON), used to tie outputs to their inputs."""
+    data = config.model_dump(mode="json") if isinstance(config, BaseModel) else config
+    blob = json.dumps(data, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]

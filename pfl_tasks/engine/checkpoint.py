@@ -1,0 +1,51 @@
+"""Checkpoints: written atomically (temp file + rename), loaded with `weights_only=True`,
+and refused when they belong to another run or another configuration.
+
+Randomness is counter-based (seed, round, client, stream), so the RNG state of a run is fully
+given by its seed and round index; both are stored.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+
+FORMAT = "pfl-checkpoint/1"
+
+
+class CheckpointError(RuntimeError):
+    pass
+
+
+def save_checkpoint(path: Path, payload: dict) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            torch.save({"format": FORMAT, **payload}, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def load_checkpoint(path: Path, expect: dict[str, str]) -> dict:
+    """Load `path`; every key in `expect` (run identity, config hash) must match exactly."""
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # corrupt, truncated or not a torch file at all
+        raise CheckpointError(f"{path}: not a readable checkpoint ({type(err).__name__}: {err})") from None
+    if not isinstance(payload, dict) or payload.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: not a {FORMAT} file (foreign checkpoint?)")
+    for key, value in expect.items():
+        if payload.get(key) != value:
+            raise CheckpointError(
+                f"{path}: written for {key}={payload.get(key)!r}, this run has {key}={value!r}"
+            )
+    return payload

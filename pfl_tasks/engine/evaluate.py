@@ -1,0 +1,70 @@
+"""Evaluation of every client on its own test split, vectorized over clients, and the
+fairness aggregates over clients (mean, sample-weighted mean, std, worst-10% mean, min/max)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+from torch.func import functional_call, vmap
+
+from pfl_tasks.data import ClientSplit
+from pfl_tasks.engine.executor import per_sample_loss
+from pfl_tasks.engine.state import Params
+
+SAMPLE_BLOCK = 512  # test rows per client per forward pass: bounds memory for big clients
+
+
+@torch.no_grad()
+def evaluate_clients(
+    net: nn.Module, task: str, test: ClientSplit, client_ids: torch.Tensor, params: Params,
+    stacked: bool,
+) -> dict[str, torch.Tensor]:
+    """Per-client test metrics for `client_ids`, as tensors [K]: n, and loss and accuracy
+    (classification) or mse (regression). `params` is a stack [K, ...] or one shared model."""
+    device = next(iter(params.values())).device
+    offsets = test.offsets[client_ids].to(device)
+    counts = test.counts[client_ids].to(device)
+    k = len(client_ids)
+    loss_sum = torch.zeros(k, device=device)
+    correct = torch.zeros(k, device=device)
+
+    def forward(p, x):
+        return functional_call(net, p, (x,))
+
+    batched = vmap(forward, in_dims=(0 if stacked else None, 0))
+    for start in range(0, int(counts.max()), SAMPLE_BLOCK):
+        pos = torch.arange(start, start + SAMPLE_BLOCK, device=device)[None, :]
+        width = min(SAMPLE_BLOCK, int(counts.max()) - start)
+        pos = pos[:, :width]
+        valid = pos < counts[:, None]
+        rows = torch.where(valid, offsets[:, None] + pos, offsets[:, None])
+        x, y = test.x[rows], test.y[rows]
+        out = batched(params, x)
+        losses = per_sample_loss(task, out.flatten(0, 1), y.flatten()).view(k, width)
+        loss_sum += (losses * valid).sum(1)
+        if task == "classification":
+            correct += ((out.argmax(-1) == y) & valid).sum(1)
+    n = counts.to(loss_sum.dtype)
+    if task == "classification":
+        return {"n": n.cpu(), "loss": (loss_sum / n).cpu(), "acc": (correct / n).cpu()}
+    return {"n": n.cpu(), "mse": (loss_sum / n).cpu()}
+
+
+HIGHER_IS_BETTER = {"acc": True, "loss": False, "mse": False}
+
+
+def summarize(values: torch.Tensor, weights: torch.Tensor, higher_is_better: bool) -> dict[str, float]:
+    """Aggregates over clients; `worst10` is the mean of the worst ceil(10%) clients."""
+    values, weights = values.double(), weights.double()
+    k = max(1, math.ceil(0.1 * len(values)))
+    ordered = torch.sort(values, descending=not higher_is_better).values
+    return {
+        "mean": values.mean().item(),
+        "weighted": (values * weights).sum().item() / weights.sum().item(),
+        "std": values.std(unbiased=False).item(),
+        "worst10": ordered[:k].mean().item(),
+        "min": values.min().item(),
+        "max": values.max().item(),
+    }

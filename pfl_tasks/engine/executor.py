@@ -1,0 +1,169 @@
+"""Local training for a chunk of clients: vectorized (`torch.func`) or sequential (reference).
+
+Both executors draw the same minibatches (`batch_schedule`) and apply the same objective and
+optimizer; the vectorized one runs every client of the chunk in one `vmap(grad(...))` call per
+step, the sequential one loops over clients with autograd and `torch.optim`. Tests hold them to
+allclose results.
+
+An algorithm describes its local problem as an `Objective`:
+`objective(data_loss, params, aux) -> scalar` for ONE client, where `data_loss(params)` is the
+mean loss on the client's current minibatch and `aux` holds that client's extra tensors
+(e.g. the received global model for a proximal term).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import functional_call, grad, vmap
+
+from pfl_tasks.config import LocalConfig
+from pfl_tasks.data import ClientSplit
+from pfl_tasks.engine import optim
+from pfl_tasks.engine.state import Params, Stack
+
+Objective = Callable[[Callable[[Params], torch.Tensor], Params, Params], torch.Tensor]
+
+
+def data_objective(data_loss, params, aux):
+    return data_loss(params)
+
+
+def client_seed(seed: int, round_idx: int, client_id: int, stream: int) -> int:
+    """Counter-based seed: the same (seed, round, client, stream) always draws the same batches,
+    whatever the chunking, executor or resume point."""
+    return int(np.random.SeedSequence([seed, round_idx, client_id, stream]).generate_state(1)[0])
+
+
+@dataclass(frozen=True)
+class Schedule:
+    index: torch.Tensor  # [K, S, B] row offsets inside each client's split (0 where padded)
+    mask: torch.Tensor  # [K, S, B] real (not padded) batch entries
+    active: torch.Tensor  # [K, S] steps inside each client's budget
+
+
+def batch_schedule(
+    counts: torch.Tensor, client_ids: torch.Tensor, local: LocalConfig, seed: int,
+    round_idx: int, stream: int,
+) -> Schedule:
+    """Minibatches for every step: epochs of seeded per-client permutations, each client
+    sampling only its own data. Batch size is min(batch_size, n_k); full batch when None."""
+    sizes = [int(n) for n in counts]
+    batch = [n if local.batch_size is None else min(local.batch_size, n) for n in sizes]
+    steps = [
+        local.steps if local.steps is not None else local.epochs * -(-n // b)
+        for n, b in zip(sizes, batch)
+    ]
+    k, s_max, b_max = len(sizes), max(steps), max(batch)
+    index = torch.zeros(k, s_max, b_max, dtype=torch.long)
+    mask = torch.zeros(k, s_max, b_max, dtype=torch.bool)
+    for i, (n, b, s, cid) in enumerate(zip(sizes, batch, steps, client_ids.tolist())):
+        gen = torch.Generator().manual_seed(client_seed(seed, round_idx, cid, stream))
+        need = s * b
+        order = torch.cat([torch.randperm(n, generator=gen) for _ in range(-(-need // n))])
+        index[i, :s, :b] = order[:need].view(s, b)
+        mask[i, :s, :b] = True
+    active = torch.arange(s_max)[None, :] < torch.tensor(steps)[:, None]
+    return Schedule(index, mask, active)
+
+
+def per_sample_loss(task: str, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    if task == "classification":
+        return F.cross_entropy(out, y, reduction="none")
+    return (out.squeeze(-1) - y) ** 2
+
+
+class LocalTrainer:
+    """Trains stacked client parameters on a chunk's own data (base of both executors)."""
+
+    def __init__(
+        self, net: nn.Module, task: str, train: ClientSplit, client_ids: torch.Tensor,
+        local: LocalConfig, seed: int, round_idx: int,
+    ):
+        self.net, self.task, self.train, self.local = net, task, train, local
+        self.client_ids, self.seed, self.round_idx = client_ids, seed, round_idx
+        self.offsets = train.offsets[client_ids]
+        self.counts = train.counts[client_ids]
+
+    def schedule(self, stream: int, local: LocalConfig) -> Schedule:
+        return batch_schedule(self.counts, self.client_ids, local, self.seed, self.round_idx, stream)
+
+    def fit(
+        self, params: Stack, objective: Objective = data_objective, aux: Stack | None = None,
+        stream: int = 0, trainable: set[str] | None = None, local: LocalConfig | None = None,
+    ) -> Stack:
+        """Run the local budget on `params` [K, ...]; returns the trained stack.
+        Only keys in `trainable` (default: all) are optimized; `stream` separates the
+        minibatch draws of several fits in one round; `local` overrides steps/optimizer."""
+        raise NotImplementedError
+
+    def net_loss(self, params: Params, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return per_sample_loss(self.task, functional_call(self.net, params, (x,)), y)
+
+
+class VectorizedTrainer(LocalTrainer):
+    def fit(self, params, objective=data_objective, aux=None, stream=0, trainable=None, local=None):
+        local = local or self.local
+        device = next(iter(params.values())).device
+        sched = self.schedule(stream, local)
+        keys = trainable if trainable is not None else set(params)
+        train = {k: v.clone() for k, v in params.items() if k in keys}
+        frozen = {k: v for k, v in params.items() if k not in keys}
+        aux = aux or {}
+
+        def client_objective(train_p, frozen_p, x, y, mask, aux_k):
+            def data_loss(p):
+                losses = self.net_loss(p, x, y)
+                return (losses * mask).sum() / mask.sum()
+
+            return objective(data_loss, {**frozen_p, **train_p}, aux_k)
+
+        grads_of = vmap(grad(client_objective))
+        opt_state = optim.init_state(local.optimizer, train)
+        rows = self.offsets.to(device)[:, None]
+        for s in range(sched.index.shape[1]):
+            idx = rows + sched.index[:, s].to(device)
+            x, y = self.train.x[idx], self.train.y[idx]
+            mask = sched.mask[:, s].to(device, x.dtype)
+            g = grads_of(train, frozen, x, y, mask, aux)
+            active = sched.active[:, s].to(device)
+            train, opt_state = optim.step(local.optimizer, train, g, opt_state, s, active)
+        return {**frozen, **train}
+
+
+class SequentialTrainer(LocalTrainer):
+    """The reference: one client at a time, autograd and `torch.optim`, unpadded batches."""
+
+    def fit(self, params, objective=data_objective, aux=None, stream=0, trainable=None, local=None):
+        local = local or self.local
+        sched = self.schedule(stream, local)
+        keys = trainable if trainable is not None else set(params)
+        aux = aux or {}
+        out = {k: torch.empty_like(v) for k, v in params.items()}
+        for i in range(len(self.client_ids)):
+            p = {k: v[i].detach().clone().requires_grad_(k in keys) for k, v in params.items()}
+            opt = optim.torch_optimizer(local.optimizer, [p[k] for k in sorted(keys)])
+            aux_i = {k: v[i] for k, v in aux.items()}
+            offset = int(self.offsets[i])
+            for s in range(int(sched.active[i].sum())):
+                rows = offset + sched.index[i, s][sched.mask[i, s]].to(self.train.x.device)
+                x, y = self.train.x[rows], self.train.y[rows]
+                opt.zero_grad()
+                loss = objective(lambda q: self.net_loss(q, x, y).mean(), p, aux_i)
+                loss.backward()
+                opt.step()
+            for k in params:
+                out[k][i] = p[k].detach()
+        return out
+
+
+def make_trainer(executor: str, *args, **kwargs) -> LocalTrainer:
+    return {"vectorized": VectorizedTrainer, "sequential": SequentialTrainer}[executor](
+        *args, **kwargs
+    )
+

@@ -1,0 +1,68 @@
+"""Functional optimizers over (stacked) parameter dicts, matching `torch.optim` semantics.
+
+`step` takes an `active` mask of shape [K] (or a scalar): clients whose local budget is spent
+keep their parameters and optimizer state unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pfl_tasks.config import OptimizerConfig
+from pfl_tasks.engine.state import Params
+
+
+def init_state(cfg: OptimizerConfig, params: Params) -> dict[str, Params]:
+    if cfg.name == "adam":
+        return {
+            "exp_avg": {k: torch.zeros_like(v) for k, v in params.items()},
+            "exp_avg_sq": {k: torch.zeros_like(v) for k, v in params.items()},
+        }
+    if cfg.momentum:
+        return {"momentum": {k: torch.zeros_like(v) for k, v in params.items()}}
+    return {}
+
+
+def step(
+    cfg: OptimizerConfig,
+    params: Params,
+    grads: Params,
+    state: dict[str, Params],
+    step_index: int,
+    active: torch.Tensor,
+) -> tuple[Params, dict[str, Params]]:
+    """One optimizer step (`step_index` counts from 0) for every client where `active`."""
+    new_params, new_state = {}, {key: {} for key in state}
+    for name, p in params.items():
+        g = grads[name]
+        if cfg.weight_decay:
+            g = g + cfg.weight_decay * p
+        mask = active.reshape(-1, *([1] * (p.dim() - 1))) if active.dim() else active
+        if cfg.name == "adam":
+            b1, b2 = cfg.betas
+            m = b1 * state["exp_avg"][name] + (1 - b1) * g
+            v = b2 * state["exp_avg_sq"][name] + (1 - b2) * g * g
+            t = step_index + 1
+            denom = (v.sqrt() / (1 - b2**t) ** 0.5) + cfg.eps
+            update = (cfg.lr / (1 - b1**t)) * m / denom
+            new_state["exp_avg"][name] = torch.where(mask, m, state["exp_avg"][name])
+            new_state["exp_avg_sq"][name] = torch.where(mask, v, state["exp_avg_sq"][name])
+        else:
+            if cfg.momentum:
+                buf = cfg.momentum * state["momentum"][name] + g
+                new_state["momentum"][name] = torch.where(mask, buf, state["momentum"][name])
+                g = buf
+            update = cfg.lr * g
+        new_params[name] = torch.where(mask, p - update, p)
+    return new_params, new_state
+
+
+def torch_optimizer(cfg: OptimizerConfig, params: list[torch.Tensor]) -> torch.optim.Optimizer:
+    """The `torch.optim` twin of this config, used by the sequential reference executor."""
+    if cfg.name == "adam":
+        return torch.optim.Adam(
+            params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay
+        )
+    return torch.optim.SGD(
+        params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay
+    )

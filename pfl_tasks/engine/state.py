@@ -1,0 +1,73 @@
+"""Client state as stacked tensors: a `Stack` is `{name: Tensor[K, ...]}`; a `Tree` nests such
+dicts (e.g. `{"params": Stack, "grad_state": Stack}`)."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+Params = dict[str, torch.Tensor]
+Stack = dict[str, torch.Tensor]
+Tree = dict  # nested dict whose leaves are tensors
+
+
+def tree_map(fn: Callable[[torch.Tensor], torch.Tensor], tree: Tree) -> Tree:
+    return {k: tree_map(fn, v) if isinstance(v, dict) else fn(v) for k, v in tree.items()}
+
+
+def tree_zip(fn: Callable[..., torch.Tensor], *trees: Tree) -> Tree:
+    first = trees[0]
+    return {
+        k: tree_zip(fn, *(t[k] for t in trees)) if isinstance(v, dict) else fn(*(t[k] for t in trees))
+        for k, v in first.items()
+    }
+
+
+def broadcast(params: Tree, k: int) -> Tree:
+    """The same tensors for k clients, as an expanded (copy-free) stack."""
+    return tree_map(lambda t: t.unsqueeze(0).expand(k, *t.shape), params)
+
+
+def replicate(params: Tree, k: int) -> Tree:
+    """k independent copies (real memory), for state clients will own and change."""
+    return tree_map(lambda t: t.unsqueeze(0).repeat(k, *([1] * t.dim())).contiguous(), params)
+
+
+def gather(stack: Tree, index: torch.Tensor) -> Tree:
+    return tree_map(lambda t: t[index.to(t.device)], stack)
+
+
+def scatter(stack: Tree, index: torch.Tensor, values: Tree) -> Tree:
+    """A copy of `stack` with rows `index` replaced by `values`."""
+
+    def put(t: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        out = t.clone()
+        out[index.to(t.device)] = v.to(t.device, t.dtype)
+        return out
+
+    return tree_zip(put, stack, values)
+
+
+def concat(stacks: list[Tree]) -> Tree:
+    return tree_zip(lambda *ts: torch.cat(ts), *stacks)
+
+
+def weighted_mean(stack: Tree, weights: torch.Tensor) -> Tree:
+    """Sum_k w_k x_k / Sum_k w_k over the leading client axis."""
+    w = weights / weights.sum()
+
+    def mean(t: torch.Tensor) -> torch.Tensor:
+        return torch.tensordot(w.to(t.device, t.dtype), t, dims=1)
+
+    return tree_map(mean, stack)
+
+
+def to_device(tree: Tree, device: torch.device | str) -> Tree:
+    return tree_map(lambda t: t.to(device), tree)
+
+
+def tree_bytes(tree: Tree) -> int:
+    return sum(
+        tree_bytes(v) if isinstance(v, dict) else v.numel() * v.element_size() for v in tree.values()
+    )

@@ -1,0 +1,95 @@
+"""Shared fixtures: tiny configurations and hand-made federated datasets."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import pytest
+import torch
+
+os.environ.setdefault("DO_NOT_TRACK", "true")
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+
+from pfl_tasks.config import parse_params  # noqa: E402
+from pfl_tasks.data import ClientSplit, FederatedData  # noqa: E402
+
+
+def tiny_params(**experiment_overrides) -> dict:
+    """A small but complete params dict: digits over 6 Dirichlet clients, an MLP."""
+    return {
+        "seed": 0,
+        "datasets": {
+            "digits": {
+                "source": {"name": "digits"},
+                "partition": {"kind": "dirichlet", "n_clients": 6, "alpha": 0.5, "min_samples": 20},
+            }
+        },
+        "experiments": {
+            "tiny": {"dataset": "digits", "model": {"kind": "mlp", "hidden": [16]}, **experiment_overrides}
+        },
+        "federation": {"rounds": 4, "eval_every": 2, "checkpoint_every": 1},
+        "local": {"steps": 3, "batch_size": 16, "optimizer": {"lr": 0.1}},
+        "engine": {"orchestrator": "inline", "device": "cpu"},
+        "algorithms": {"local": {}, "fedavg": {}, "fedprox": {"mu": 0.5}},
+    }
+
+
+@pytest.fixture
+def params():
+    return parse_params(tiny_params())
+
+
+def split_from(xs: list[torch.Tensor], ys: list[torch.Tensor]) -> ClientSplit:
+    counts = torch.tensor([len(y) for y in ys])
+    return ClientSplit(torch.cat(xs), torch.cat(ys), torch.cumsum(counts, 0) - counts, counts)
+
+
+def regression_data(xs, ys) -> FederatedData:
+    """Clients' least-squares data, train and test identical."""
+    split = split_from(xs, ys)
+    return FederatedData("lsq", "regression", 0, (xs[0].shape[1],), split, split, "test")
+
+
+def least_squares_clients(n_clients=4, dim=3, seed=0, sizes=(30, 50, 80, 120)):
+    """Heterogeneous clients: own input scaling and own true weights."""
+    gen = torch.Generator().manual_seed(seed)
+    xs, ys = [], []
+    for k in range(n_clients):
+        x = torch.randn(sizes[k], dim, generator=gen) * (1 + k * 0.3)
+        w = torch.randn(dim, generator=gen) * 2
+        xs.append(x)
+        ys.append(x @ w + 0.1 * torch.randn(sizes[k], generator=gen))
+    return xs, ys
+
+
+@pytest.fixture(scope="session")
+def prepared_digits(tmp_path_factory):
+    """A data/partitions/digits folder for the tiny params, built once per session."""
+    from flows.prepare import prepare
+
+    root = tmp_path_factory.mktemp("prepared")
+    import yaml
+
+    (root / "params.yaml").write_text(yaml.safe_dump(tiny_params()))
+    prepare("digits", str(root / "params.yaml"), root / "data" / "partitions")
+    return root / "data" / "partitions" / "digits"
+
+
+@pytest.fixture
+def project(tmp_path, prepared_digits, monkeypatch):
+    """A temp project root holding the prepared tiny partition and an MLflow sqlite URI."""
+    import shutil
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    shutil.copytree(prepared_digits, tmp_path / "data" / "partitions" / "digits")
+    return tmp_path
+
+
+_MLFLOW_DIR = tempfile.mkdtemp(prefix="pfl-tests-mlflow-")
+
+
+def mlflow_uri(root=None) -> str:
+    """One sqlite store for the whole session: creating a store costs seconds."""
+    return f"sqlite:///{_MLFLOW_DIR}/mlflow.db"

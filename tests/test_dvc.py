@@ -1,0 +1,87 @@
+"""`dvc repro` on a temp copy of the repo with tiny params: all stages, caching, reruns, exp run."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import mlflow_uri, tiny_params
+
+pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parents[1]
+
+
+def sh(args, cwd, env):
+    out = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, f"{args} failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
+    return out.stdout + out.stderr
+
+
+@pytest.fixture(scope="module")
+def repo_copy(tmp_path_factory):
+    dst = tmp_path_factory.mktemp("repo")
+    files = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard"],
+        cwd=REPO, capture_output=True, text=True, check=True,
+    ).stdout.split()
+    for rel in files:
+        src = REPO / rel
+        if src.is_file() and not rel.startswith(("data/", "models/", "metrics/", "plots/")) and rel != "dvc.lock":
+            (dst / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dst / rel)
+    data = tiny_params()
+    data["engine"]["orchestrator"] = "prefect"
+    data["tracking"] = {"mlflow_uri": mlflow_uri()}
+    data["federation"]["rounds"] = 2
+    (dst / "params.yaml").write_text(yaml.safe_dump(data))
+    env = {
+        **os.environ,
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+        "GIT_AUTHOR_NAME": "ci", "GIT_AUTHOR_EMAIL": "ci@localhost",
+        "GIT_COMMITTER_NAME": "ci", "GIT_COMMITTER_EMAIL": "ci@localhost",
+    }
+    env.pop("MLFLOW_TRACKING_URI", None)
+    sh(["git", "init", "-q"], dst, env)
+    sh(["git", "add", "-A"], dst, env)
+    sh(["git", "commit", "-qm", "copy"], dst, env)
+    return dst, env
+
+
+def test_dvc_repro_runs_caches_and_reruns_only_what_changed(repo_copy):
+    root, env = repo_copy
+    dvc = [sys.executable, "-m", "dvc"]
+    out = sh([*dvc, "repro"], root, env)
+    assert "Running stage 'prepare@digits'" in out and "Running stage 'train@tiny'" in out
+    assert (root / "data/partitions/digits/manifest.json").exists()
+    for alg in ("local", "fedavg", "fedprox"):
+        assert (root / f"models/tiny/{alg}/checkpoint.pt").exists()
+        final = json.loads((root / f"metrics/tiny/{alg}.json").read_text())
+        assert final["final/round"] == 2 and 0 <= final["final/personalized/acc_mean"] <= 1
+        assert (root / f"plots/tiny/{alg}.csv").exists()
+    shown = sh([*dvc, "metrics", "show", "--json"], root, env)
+    assert "final/personalized/acc_mean" in shown
+
+    out = sh([*dvc, "repro"], root, env)
+    assert "Running stage" not in out
+
+    params = yaml.safe_load((root / "params.yaml").read_text())
+    params["federation"]["rounds"] = 3
+    (root / "params.yaml").write_text(yaml.safe_dump(params))
+    out = sh([*dvc, "repro"], root, env)
+    assert "Running stage 'train@tiny'" in out and "Running stage 'prepare@digits'" not in out
+    assert json.loads((root / "metrics/tiny/fedavg.json").read_text())["final/round"] == 3
+
+
+def test_dvc_exp_run_with_set_param(repo_copy):
+    root, env = repo_copy
+    sh(["git", "add", "-A"], root, env)
+    sh(["git", "commit", "-qm", "after repro", "--allow-empty"], root, env)
+    out = sh([sys.executable, "-m", "dvc", "exp", "run", "-S", "federation.rounds=4"], root, env)
+    assert "Running stage 'train@tiny'" in out
+    shown = sh([sys.executable, "-m", "dvc", "exp", "show", "--json"], root, env)
+    assert "federation.rounds" in shown or '"rounds": 4' in shown

@@ -1,0 +1,52 @@
+import torch
+
+from conftest import split_from
+from pfl_tasks.engine.evaluate import evaluate_clients, summarize
+from pfl_tasks.tracking import best_index, final_metrics
+from torch import nn
+
+
+def test_summary_statistics_by_hand():
+    acc = torch.tensor([0.9, 0.5, 0.7, 0.1, 0.8, 0.6, 0.4, 0.3, 0.2, 1.0, 0.55, 0.65])
+    n = torch.arange(1, 13, dtype=torch.float)
+    s = summarize(acc, n, higher_is_better=True)
+    assert abs(s["mean"] - acc.double().mean().item()) < 1e-6
+    assert abs(s["weighted"] - (acc.double() * n).sum().item() / n.sum().item()) < 1e-6
+    assert abs(s["worst10"] - (0.1 + 0.2) / 2) < 1e-6  # ceil(10% of 12) = 2 worst clients
+    assert s["min"] == acc.double().min().item()
+    loss = summarize(acc, n, higher_is_better=False)
+    assert abs(loss["worst10"] - (1.0 + 0.9) / 2) < 1e-6
+
+
+def test_every_client_evaluated_on_its_own_split_with_its_own_model():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 2))
+    sizes = [1, 700, 5]  # 700 > one sample block, 1 = a lone test sample
+    xs = [torch.randn(n, 3) for n in sizes]
+    ys = [torch.randint(0, 2, (n,)) for n in sizes]
+    test = split_from(xs, ys)
+    stack = {"0.weight": torch.randn(3, 2, 3), "0.bias": torch.randn(3, 2)}
+    got = evaluate_clients(net, "classification", test, torch.arange(3), stack, stacked=True)
+    for k in range(3):
+        out = xs[k] @ stack["0.weight"][k].T + stack["0.bias"][k]
+        loss = nn.functional.cross_entropy(out, ys[k])
+        acc = (out.argmax(1) == ys[k]).float().mean()
+        torch.testing.assert_close(got["loss"][k], loss, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(got["acc"][k], acc)
+        assert got["n"][k] == sizes[k]
+    shared = {"0.weight": stack["0.weight"][1], "0.bias": stack["0.bias"][1]}
+    same = evaluate_clients(net, "classification", test, torch.tensor([1]), shared, stacked=False)
+    torch.testing.assert_close(same["acc"][0], got["acc"][1])
+
+
+def test_best_round_follows_the_primary_metric():
+    history = [
+        {"round": 5, "personalized/acc_mean": 0.6, "personalized/mse_mean": 3.0},
+        {"round": 10, "personalized/acc_mean": 0.8, "personalized/mse_mean": 1.0},
+        {"round": 15, "personalized/acc_mean": 0.7, "personalized/mse_mean": 2.0},
+    ]
+    assert best_index(history, "classification") == 1
+    assert best_index(history, "regression") == 1
+    final = final_metrics(history, "classification")
+    assert final["best/round"] == 10 and final["final/round"] == 15
+    assert final["final/personalized/acc_mean"] == 0.7 and final["best/personalized/acc_mean"] == 0.8
