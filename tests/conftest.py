@@ -93,3 +93,12 @@ _MLFLOW_DIR = tempfile.mkdtemp(prefix="pfl-tests-mlflow-")
 def mlflow_uri(root=None) -> str:
     """One sqlite store for the whole session: creating a store costs seconds."""
     return f"sqlite:///{_MLFLOW_DIR}/mlflow.db"
+
+
+@pytest.fixture(scope="session")
+def prefect_harness():
+    """A temporary Prefect server and database for the whole session (it starts in seconds)."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield

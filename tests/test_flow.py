@@ -8,15 +8,7 @@ from conftest import mlflow_uri, tiny_params
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def harness():
-    from prefect.testing.utilities import prefect_test_harness
-
-    with prefect_test_harness(server_startup_timeout=120):
-        yield
-
-
-def test_prefect_flow_runs_rounds_as_tasks_and_logs_to_mlflow(project, harness):
+def test_prefect_flow_runs_rounds_as_tasks_and_logs_to_mlflow(project, prefect_harness):
     from mlflow.tracking import MlflowClient
     from prefect import get_client
 

@@ -13,6 +13,7 @@ mean loss on the client's current minibatch and `aux` holds that client's extra 
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Callable
 
@@ -78,7 +79,7 @@ def per_sample_loss(task: str, out: torch.Tensor, y: torch.Tensor) -> torch.Tens
     return (out.squeeze(-1) - y) ** 2
 
 
-class LocalTrainer:
+class LocalTrainer(ABC):
     """Trains stacked client parameters on a chunk's own data (base of both executors)."""
 
     def __init__(
@@ -93,6 +94,7 @@ class LocalTrainer:
     def schedule(self, stream: int, local: LocalConfig) -> Schedule:
         return batch_schedule(self.counts, self.client_ids, local, self.seed, self.round_idx, stream)
 
+    @abstractmethod
     def fit(
         self, params: Stack, objective: Objective = data_objective, aux: Stack | None = None,
         stream: int = 0, trainable: set[str] | None = None, local: LocalConfig | None = None,
@@ -100,7 +102,6 @@ class LocalTrainer:
         """Run the local budget on `params` [K, ...]; returns the trained stack.
         Only keys in `trainable` (default: all) are optimized; `stream` separates the
         minibatch draws of several fits in one round; `local` overrides steps/optimizer."""
-        raise NotImplementedError
 
     def net_loss(self, params: Params, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return per_sample_loss(self.task, functional_call(self.net, params, (x,)), y)
