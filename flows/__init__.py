@@ -1,6 +1,10 @@
 """Prefect flows and the thin entry points that `dvc.yaml` stages call.
 
 Defaults keep every run local and quiet: no telemetry, a generous ephemeral-server start.
+Without PREFECT_API_URL each process starts a temporary Prefect server; stopped at exit, it
+drops its last in-flight task-run events and logs a traceback for each (an upstream race that
+leaves results untouched), so its own log is limited to critical messages. A real server
+(PREFECT_API_URL) logs as configured.
 """
 
 import os
@@ -13,3 +17,6 @@ for _key, _value in {
     "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
 }.items():
     os.environ.setdefault(_key, _value)
+
+if "PREFECT_API_URL" not in os.environ:
+    os.environ.setdefault("PREFECT_LOGGING_SERVER_LEVEL", "CRITICAL")

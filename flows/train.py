@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
@@ -265,13 +264,6 @@ def train_flow(
     )
 
 
-def quiet_ephemeral_shutdown() -> None:
-    """The temporary Prefect server, stopped at exit, drops the last few task-run events of
-    its recorder batch and logs a traceback for each; results are unaffected. A real server
-    (PREFECT_API_URL) keeps everything."""
-    logging.getLogger("prefect.server.services.task_run_recorder").setLevel(logging.CRITICAL)
-
-
 def train_experiment(
     experiment: str, params_path: str = "params.yaml", root: str = ".",
     on_config_change: str = "refuse",
@@ -286,7 +278,6 @@ def train_experiment(
             results[run_name] = train_flow.with_options(task_runner=runner)(
                 experiment, run_name, params_path, root, on_config_change
             )
-            quiet_ephemeral_shutdown()
         else:
             results[run_name] = train_run(
                 exp, run_name, params.algorithms[run_name], Path(root),
