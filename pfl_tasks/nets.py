@@ -56,3 +56,10 @@ def init_params(net: nn.Module, seed: int) -> dict[str, torch.Tensor]:
     finally:
         torch.random.set_rng_state(gen_state)
     return {name: p.detach().clone() for name, p in net.named_parameters()}
+
+
+def head_keys(param_names) -> set[str]:
+    """Parameters of the last layer (the "head"; the rest is the "body"), for the
+    `nn.Sequential` nets built here, whose parameter names start with the module index."""
+    last = max(int(name.split(".", 1)[0]) for name in param_names)
+    return {name for name in param_names if int(name.split(".", 1)[0]) == last}

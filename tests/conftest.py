@@ -102,3 +102,39 @@ def prefect_harness():
 
     with prefect_test_harness(server_startup_timeout=120):
         yield
+
+
+def lsq_federation(algorithm, hp=None, steps=1, lr=0.05, rounds=300, executor="vectorized"):
+    """Run `algorithm` on the least-squares clients with full-batch local GD."""
+    from flows.train import InlineSteps, run_round
+    from pfl_tasks.algorithms import build
+    from pfl_tasks.algorithms.federation import Federation
+
+    xs, ys = least_squares_clients()
+    data = regression_data(xs, ys)
+    params = parse_params(tiny_params(
+        model={"kind": "linear", "bias": False},
+        federation={"rounds": max(rounds, 1)},
+        local={"steps": steps, "batch_size": None, "optimizer": {"lr": lr}},
+    ))
+    exp = params.experiment("tiny").model_copy(
+        update={"engine": params.engine.model_copy(update={"executor": executor, "chunk_size": 3})}
+    )
+    fed = Federation(exp, build(algorithm, hp or {}), data)
+    state = fed.initial_state()
+    for r in range(rounds):
+        state = run_round(InlineSteps(2), fed, state, r)
+    return xs, ys, fed, state
+
+
+def pooled_least_squares(xs, ys, weights=None):
+    """argmin_w sum_k weight_k * mean_i (x_ki w - y_ki)^2; default weights n_k (pooled data)."""
+    weights = weights or [len(y) for y in ys]
+    a = sum(w * x.double().T @ x.double() / len(x) for w, x in zip(weights, xs))
+    b = sum(w * x.double().T @ y.double() / len(x) for w, x, y in zip(weights, xs, ys))
+    return torch.linalg.solve(a, b)
+
+
+def assert_rel_close(actual, expected, tol=1e-4):
+    err = (actual.double() - expected).norm() / expected.norm()
+    assert err < tol, f"relative error {err:.2e}"

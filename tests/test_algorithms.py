@@ -3,39 +3,7 @@
 import pytest
 import torch
 
-from conftest import least_squares_clients, regression_data, tiny_params
-from flows.train import InlineSteps, run_round
-from pfl_tasks.algorithms import build
-from pfl_tasks.algorithms.federation import Federation
-from pfl_tasks.config import parse_params
-
-
-def lsq_federation(algorithm, hp=None, steps=1, lr=0.05, rounds=300, executor="vectorized"):
-    xs, ys = least_squares_clients()
-    data = regression_data(xs, ys)
-    params = parse_params(tiny_params(
-        model={"kind": "linear", "bias": False},
-        federation={"rounds": rounds},
-        local={"steps": steps, "batch_size": None, "optimizer": {"lr": lr}},
-    ))
-    exp = params.experiment("tiny").model_copy(
-        update={"engine": params.engine.model_copy(update={"executor": executor, "chunk_size": 3})}
-    )
-    fed = Federation(exp, build(algorithm, hp or {}), data)
-    state = fed.initial_state()
-    for r in range(rounds):
-        state = run_round(InlineSteps(2), fed, state, r)
-    return xs, ys, fed, state
-
-
-def pooled_least_squares(xs, ys):
-    x, y = torch.cat(xs).double(), torch.cat(ys).double()
-    return torch.linalg.solve(x.T @ x, x.T @ y)
-
-
-def assert_rel_close(actual, expected, tol=1e-4):
-    err = (actual.double() - expected).norm() / expected.norm()
-    assert err < tol, f"relative error {err:.2e}"
+from conftest import assert_rel_close, lsq_federation, pooled_least_squares
 
 
 def test_fedavg_full_batch_converges_to_pooled_least_squares():
@@ -45,9 +13,7 @@ def test_fedavg_full_batch_converges_to_pooled_least_squares():
 
 def test_fedavg_uniform_weighting_converges_to_client_mean_objective():
     xs, ys, fed, state = lsq_federation("fedavg", {"weighting": "uniform"})
-    a = sum(x.double().T @ x.double() / len(x) for x in xs)
-    b = sum(x.double().T @ y.double() / len(x) for x, y in zip(xs, ys))
-    expected = torch.linalg.solve(a, b)
+    expected = pooled_least_squares(xs, ys, weights=[1] * len(xs))
     assert_rel_close(state.server["global"]["1.weight"][0], expected)
     assert (expected - pooled_least_squares(xs, ys)).norm() > 1e-2  # the weighting matters
 

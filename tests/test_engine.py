@@ -26,10 +26,10 @@ def digits6() -> FederatedData:
     )
 
 
-def run(data, algorithm, executor, rounds=3, **overrides):
+def run(data, algorithm, executor, rounds=3, hp=None, **overrides):
     params = parse_params(tiny_params(**overrides))
     exp = params.experiment("tiny").model_copy(update={"engine": EngineConfig(executor=executor, chunk_size=4)})
-    fed = Federation(exp, build(algorithm, params.algorithms[algorithm]), data)
+    fed = Federation(exp, build(algorithm, hp if hp is not None else params.algorithms[algorithm]), data)
     state = fed.initial_state()
     for r in range(rounds):
         state = run_round(InlineSteps(2), fed, state, r)
@@ -105,3 +105,14 @@ def test_epochs_budget_gives_each_client_its_own_step_count():
     local = parse_params(tiny_params(local={"epochs": 2})).experiment("tiny").local
     sched = batch_schedule(torch.tensor([5, 40]), torch.tensor([0, 1]), local, 0, 0, 0)
     assert sched.active.sum(1).tolist() == [2, 6]  # 2 * ceil(n / min(16, n))
+
+
+@pytest.mark.parametrize("algorithm", ["ditto", "feddyn", "fedper", "fedrep", "pfedme", "pfedmac", "apfl", "l2sgd"])
+def test_vectorized_equals_sequential_for_seed_algorithms(digits6, algorithm):
+    fed, vec = run(digits6, algorithm, "vectorized", hp={"feddyn": {"alpha": 0.1}}.get(algorithm, {}))
+    _, seq = run(digits6, algorithm, "sequential", hp={"feddyn": {"alpha": 0.1}}.get(algorithm, {}))
+    for view in (fed.algorithm.personalized, lambda s, c: (fed.algorithm.global_model(s), False)):
+        a, _ = view(vec.server, vec.clients)
+        b, _ = view(seq.server, seq.clients)
+        if a is not None:
+            assert_trees_close(a, b)

@@ -1,6 +1,18 @@
 """Algorithms layer: one module per method, registered by name, plus the federated round."""
 
-from pfl_tasks.algorithms import fedavg, fedprox, local  # noqa: F401  (registration)
+from pfl_tasks.algorithms import (  # noqa: F401  (registration)
+    apfl,
+    ditto,
+    fedavg,
+    feddyn,
+    fedper,
+    fedprox,
+    fedrep,
+    l2sgd,
+    local,
+    pfedmac,
+    pfedme,
+)
 from pfl_tasks.algorithms.base import Algorithm, HyperParams
 from pfl_tasks.algorithms.registry import ALGORITHMS, build, validate_params
 

@@ -31,6 +31,8 @@ class Algorithm(ABC):
     citation: ClassVar[str]
     Hyper: ClassVar[type[HyperParams]] = HyperParams
 
+    n_clients: int = 0  # set by the engine before the first round
+
     def __init__(self, hp: HyperParams):
         self.hp = hp
 

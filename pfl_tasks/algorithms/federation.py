@@ -50,6 +50,7 @@ def resolve_device(name: str) -> torch.device:
 class Federation:
     def __init__(self, exp: ResolvedExperiment, algorithm: Algorithm, data: FederatedData):
         self.exp, self.algorithm = exp, algorithm
+        algorithm.n_clients = data.n_clients
         self.device = resolve_device(exp.engine.device)
         self.task = data.task
         self.train = _split_to(data.train, self.device)

@@ -26,9 +26,11 @@ from torch.func import functional_call, grad, vmap
 from pfl_tasks.config import LocalConfig
 from pfl_tasks.data import ClientSplit
 from pfl_tasks.engine import optim
-from pfl_tasks.engine.state import Params, Stack
+from pfl_tasks.engine.state import Params, Stack, Tree, tree_map, tree_zip
 
-Objective = Callable[[Callable[[Params], torch.Tensor], Params, Params], torch.Tensor]
+DataLoss = Callable[[Params], torch.Tensor]
+Objective = Callable[[DataLoss, Params, Tree], torch.Tensor]
+Step = Callable[[Tree, DataLoss, Tree], Tree]
 
 
 def data_objective(data_loss, params, aux):
@@ -103,6 +105,13 @@ class LocalTrainer(ABC):
         Only keys in `trainable` (default: all) are optimized; `stream` separates the
         minibatch draws of several fits in one round; `local` overrides steps/optimizer."""
 
+    @abstractmethod
+    def scan(self, carry: Tree, step: Step, aux: Tree | None = None, stream: int = 0,
+             local: LocalConfig | None = None) -> Tree:
+        """Run `step(carry_k, data_loss, aux_k) -> carry_k` once per local step, each on a fresh
+        minibatch, for every client; for algorithms whose local work is not plain optimization
+        (nested prox solves, mixtures). `step` may call `torch.func.grad` on `data_loss`."""
+
     def net_loss(self, params: Params, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return per_sample_loss(self.task, functional_call(self.net, params, (x,)), y)
 
@@ -110,7 +119,6 @@ class LocalTrainer(ABC):
 class VectorizedTrainer(LocalTrainer):
     def fit(self, params, objective=data_objective, aux=None, stream=0, trainable=None, local=None):
         local = local or self.local
-        device = next(iter(params.values())).device
         sched = self.schedule(stream, local)
         keys = trainable if trainable is not None else set(params)
         train = {k: v.clone() for k, v in params.items() if k in keys}
@@ -126,15 +134,38 @@ class VectorizedTrainer(LocalTrainer):
 
         grads_of = vmap(grad(client_objective))
         opt_state = optim.init_state(local.optimizer, train)
-        rows = self.offsets.to(device)[:, None]
         for s in range(sched.index.shape[1]):
-            idx = rows + sched.index[:, s].to(device)
-            x, y = self.train.x[idx], self.train.y[idx]
-            mask = sched.mask[:, s].to(device, x.dtype)
-            g = grads_of(train, frozen, x, y, mask, aux)
-            active = sched.active[:, s].to(device)
+            x, y, mask = self._batch(sched, s)
+            g = grads_of(train, frozen, x, y, mask.to(x.dtype), aux)
+            active = sched.active[:, s].to(x.device)
             train, opt_state = optim.step(local.optimizer, train, g, opt_state, s, active)
         return {**frozen, **train}
+
+    def scan(self, carry, step, aux=None, stream=0, local=None):
+        sched = self.schedule(stream, local or self.local)
+
+        def client_step(c, x, y, mask, a):
+            def data_loss(p):
+                return (self.net_loss(p, x, y) * mask).sum() / mask.sum()
+
+            return step(c, data_loss, a)
+
+        stepped = vmap(client_step)
+        for s in range(sched.index.shape[1]):
+            x, y, mask = self._batch(sched, s)
+            new = stepped(carry, x, y, mask.to(x.dtype), aux or {})
+            active = sched.active[:, s].to(x.device)
+            carry = tree_zip(lambda n, o: torch.where(_rows(active, n), n, o), new, carry)
+        return carry
+
+    def _batch(self, sched: Schedule, s: int):
+        device = self.train.x.device
+        idx = self.offsets.to(device)[:, None] + sched.index[:, s].to(device)
+        return self.train.x[idx], self.train.y[idx], sched.mask[:, s].to(device)
+
+
+def _rows(mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return mask.reshape(-1, *([1] * (like.dim() - 1)))
 
 
 class SequentialTrainer(LocalTrainer):
@@ -149,11 +180,9 @@ class SequentialTrainer(LocalTrainer):
         for i in range(len(self.client_ids)):
             p = {k: v[i].detach().clone().requires_grad_(k in keys) for k, v in params.items()}
             opt = optim.torch_optimizer(local.optimizer, [p[k] for k in sorted(keys)])
-            aux_i = {k: v[i] for k, v in aux.items()}
-            offset = int(self.offsets[i])
+            aux_i = tree_map(lambda t: t[i], aux)
             for s in range(int(sched.active[i].sum())):
-                rows = offset + sched.index[i, s][sched.mask[i, s]].to(self.train.x.device)
-                x, y = self.train.x[rows], self.train.y[rows]
+                x, y = self._batch(sched, i, s)
                 opt.zero_grad()
                 loss = objective(lambda q: self.net_loss(q, x, y).mean(), p, aux_i)
                 loss.backward()
@@ -161,6 +190,23 @@ class SequentialTrainer(LocalTrainer):
             for k in params:
                 out[k][i] = p[k].detach()
         return out
+
+    def scan(self, carry, step, aux=None, stream=0, local=None):
+        sched = self.schedule(stream, local or self.local)
+        rows = []
+        for i in range(len(self.client_ids)):
+            c = tree_map(lambda t: t[i], carry)
+            a = tree_map(lambda t: t[i], aux or {})
+            for s in range(int(sched.active[i].sum())):
+                x, y = self._batch(sched, i, s)
+                c = step(c, lambda p: self.net_loss(p, x, y).mean(), a)
+            rows.append(c)
+        return tree_zip(lambda *ts: torch.stack(ts), *rows)
+
+    def _batch(self, sched: Schedule, i: int, s: int):
+        """Client i's real (unpadded) minibatch of step s."""
+        rows = int(self.offsets[i]) + sched.index[i, s][sched.mask[i, s]].to(self.train.x.device)
+        return self.train.x[rows], self.train.y[rows]
 
 
 def make_trainer(executor: str, *args, **kwargs) -> LocalTrainer:

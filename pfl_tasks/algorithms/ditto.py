@@ -1,0 +1,49 @@
+"""Ditto: a global model trained as in FedAvg, and per-client models pulled towards it.
+
+Li, Hu, Beirami, Smith, "Ditto: Fair and Robust Federated Learning Through Personalization",
+ICML 2021 (Algorithm 1; seed eqs. (8)-(9)). Each round a sampled client runs UpdateGlobal
+(local SGD from theta, as FedAvg) and `s` local steps on its personal model
+    omega_k <- omega_k - eta (grad f_k(omega_k) + mu (omega_k - theta)),
+with theta the model it received this round (the seed's single step is s = 1; Algorithm 1 of
+the paper uses the round's local budget, as here). mu = 0.1 is among the paper's tuned values.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import Field
+
+from pfl_tasks.algorithms.fedavg import FedAvg, FedAvgHyper
+from pfl_tasks.algorithms.registry import register
+from pfl_tasks.engine.state import broadcast, replicate
+
+
+class DittoHyper(FedAvgHyper):
+    mu: Annotated[float, Field(ge=0)] = 0.1
+
+
+def proximal(mu: float):
+    def objective(data_loss, params, anchor):
+        return data_loss(params) + 0.5 * mu * sum(((params[k] - anchor[k]) ** 2).sum() for k in anchor)
+
+    return objective
+
+
+@register
+class Ditto(FedAvg):
+    name = "ditto"
+    citation = "Li et al., ICML 2021"
+    Hyper = DittoHyper
+
+    def init_clients(self, params, n_clients):
+        return {"personal": replicate(params, n_clients)}
+
+    def client_update(self, trainer, payload, state):
+        start = broadcast(payload["global"], len(trainer.client_ids))
+        global_k = trainer.fit(start)
+        personal = trainer.fit(state["personal"], proximal(self.hp.mu), aux=start, stream=1)
+        return {"params": global_k}, {"personal": personal}
+
+    def personalized(self, server, state):
+        return state["personal"], True

@@ -1,0 +1,34 @@
+"""FedRep: FedPer's split, trained in two phases: the head first, with the body frozen, then
+the body, with the head frozen.
+
+Collins et al., "Exploiting Shared Representations for Personalized Federated Learning",
+ICML 2021 (Algorithm 1: tau_h = 10 head epochs, then the body's local budget).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import Field
+
+from pfl_tasks.algorithms.fedavg import FedAvgHyper
+from pfl_tasks.algorithms.fedper import FedPer
+from pfl_tasks.algorithms.registry import register
+from pfl_tasks.nets import head_keys
+
+
+class FedRepHyper(FedAvgHyper):
+    head_epochs: Annotated[int, Field(gt=0)] = 10
+
+
+@register
+class FedRep(FedPer):
+    name = "fedrep"
+    citation = "Collins et al., ICML 2021"
+    Hyper = FedRepHyper
+
+    def local_train(self, trainer, params):
+        head = head_keys(params)
+        head_budget = trainer.local.model_copy(update={"epochs": self.hp.head_epochs, "steps": None})
+        params = trainer.fit(params, trainable=head, local=head_budget, stream=1)
+        return trainer.fit(params, trainable=set(params) - head)

@@ -1,0 +1,79 @@
+"""L2SGD: loopless local SGD on the mixture problem f(Theta) + lam phi(Theta).
+
+Hanzely & Richtarik, "Federated Learning of a Mixture of Global and Local Models",
+arXiv:2002.05516 (seed eqs. (1)-(2) and pseudocode). One federated round is one iteration:
+with probability 1 - p (a coin shared by all clients, seeded by round) every client takes a
+local step theta_k <- theta_k - lr/(K(1-p)) grad f_k(theta_k); with probability p the clients
+send theta_k, the server averages them, and every client takes the averaging step
+theta_k <- theta_k - lr lam/(K p) (theta_k - mean). The averaging step needs the mean, so it
+is applied at the start of the client's next round (and by `personalized` for evaluation);
+the sequence of updates is the algorithm's. Needs full participation. [choice] Defaults
+lam = 1, p = 0.5, lr = 1 (the paper sweeps them; K = all clients scales the steps).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import numpy as np
+import torch
+from pydantic import Field
+
+from pfl_tasks.algorithms.base import Algorithm, HyperParams
+from pfl_tasks.algorithms.registry import register
+from pfl_tasks.config import OptimizerConfig
+from pfl_tasks.engine.state import replicate
+
+
+class L2SGDHyper(HyperParams):
+    lam: Annotated[float, Field(ge=0)] = 1.0
+    p: Annotated[float, Field(gt=0, lt=1)] = 0.5
+    lr: Annotated[float, Field(gt=0)] = 1.0
+
+
+def communicates(seed: int, round_idx: int, p: float) -> bool:
+    return bool(np.random.default_rng([seed, round_idx, 0x125]).random() < p)
+
+
+@register
+class L2SGD(Algorithm):
+    name = "l2sgd"
+    citation = "Hanzely & Richtarik, arXiv:2002.05516"
+    Hyper = L2SGDHyper
+
+    def init_server(self, params):
+        return {"mean": params, "pending": torch.zeros(())}
+
+    def init_clients(self, params, n_clients):
+        return {"params": replicate(params, n_clients)}
+
+    def payload(self, server):
+        return server
+
+    def averaging_step(self, params, server):
+        shrink = self.hp.lr * self.hp.lam / (self.n_clients * self.hp.p) * server["pending"]
+        return {k: v - shrink * (v - server["mean"][k]) for k, v in params.items()}
+
+    def client_update(self, trainer, payload, state):
+        params = self.averaging_step(state["params"], payload)
+        if communicates(trainer.seed, trainer.round_idx, self.hp.p):
+            return {"params": params}, {"params": params}
+        step = self.hp.lr / (self.n_clients * (1 - self.hp.p))
+        one_step = trainer.local.model_copy(
+            update={"steps": 1, "epochs": None, "optimizer": OptimizerConfig(name="sgd", lr=step)}
+        )
+        return {}, {"params": trainer.fit(params, local=one_step)}
+
+    def aggregate(self, server, messages, weights):
+        if not messages:
+            return {"mean": server["mean"], "pending": torch.zeros_like(server["pending"])}
+        if len(weights) != self.n_clients:
+            raise ValueError("l2sgd needs full participation (federation.participation: 1.0)")
+        mean = {k: v.mean(0) for k, v in messages["params"].items()}
+        return {"mean": mean, "pending": torch.ones_like(server["pending"])}
+
+    def personalized(self, server, state):
+        return self.averaging_step(state["params"], server), True
+
+    def global_model(self, server):
+        return server["mean"]

@@ -1,0 +1,267 @@
+"""Seed algorithms (shared/seeds/pfl-algorithms.txt), each against its own objective's optimum."""
+
+import pytest
+import torch
+
+from conftest import assert_rel_close, lsq_federation, pooled_least_squares, split_from, tiny_params
+
+
+def local_hessians(xs, ys):
+    """f_k(w) = mean (x w - y)^2 = 1/2 (w - c_k)^T A_k (w - c_k) + const."""
+    hess = [2 * x.double().T @ x.double() / len(x) for x in xs]
+    opt = [pooled_least_squares([x], [y]) for x, y in zip(xs, ys)]
+    return hess, opt
+
+
+# ----------------------------------------------------------------------------- Ditto
+def test_ditto_global_is_fedavg_and_personal_is_the_prox_solution():
+    """mu = 0 gives the local optima, growing mu pulls every personal model to theta*."""
+    gaps = []
+    for mu in (0.0, 0.5, 10.0):
+        xs, ys, fed, state = lsq_federation("ditto", {"mu": mu}, rounds=250)
+        theta = pooled_least_squares(xs, ys)
+        assert_rel_close(state.server["global"]["1.weight"][0], theta)
+        hess, opt = local_hessians(xs, ys)
+        eye = torch.eye(len(theta), dtype=torch.float64)
+        personal = state.clients["personal"]["1.weight"][:, 0]
+        for k in range(len(xs)):
+            expected = torch.linalg.solve(hess[k] + mu * eye, hess[k] @ opt[k] + mu * theta)
+            assert_rel_close(personal[k], expected)
+        gaps.append(max((personal[k].double() - theta).norm().item() for k in range(len(xs))))
+    assert gaps[0] > gaps[1] > gaps[2] and gaps[2] < 0.5 * gaps[0], gaps
+
+
+# ----------------------------------------------------------------------------- FedDyn
+def test_feddyn_reaches_the_exact_global_optimum_where_fedavg_drifts():
+    work = dict(steps=10, lr=0.1, rounds=80)
+    xs, ys, _, dyn = lsq_federation("feddyn", {"alpha": 1.0}, **work)
+    _, _, _, avg = lsq_federation("fedavg", {"weighting": "uniform"}, **work)
+    optimum = pooled_least_squares(xs, ys, weights=[1] * len(xs))  # argmin sum_k f_k
+    assert_rel_close(dyn.server["global"]["1.weight"][0], optimum)
+    drift = (avg.server["global"]["1.weight"][0].double() - optimum).norm() / optimum.norm()
+    assert drift > 1e-2, "FedAvg with the same local work should not reach the optimum"
+    # the gradient states sum to zero at the fixed point (server h matches them)
+    assert dyn.clients["grad"]["1.weight"].sum(0).abs().max() < 1e-4
+
+
+# ----------------------------------------------------------------------------- FedPer / FedRep
+def shared_representation_clients(n_clients=6, n=240, seed=0):
+    """Clients share a feature map B but each labels with its own head W_k."""
+    gen = torch.Generator().manual_seed(seed)
+    body = torch.randn(4, 8, generator=gen)
+    train, test = ([], []), ([], [])
+    for _ in range(n_clients):
+        head = torch.randn(3, 4, generator=gen) * 3
+        x = torch.randn(n, 8, generator=gen)
+        y = (torch.relu(x @ body.T) @ head.T).argmax(1)
+        for split, rows in ((train, slice(0, n // 2)), (test, slice(n // 2, n))):
+            split[0].append(x[rows])
+            split[1].append(y[rows])
+    from pfl_tasks.data import FederatedData
+
+    return FederatedData("rep", "classification", 3, (8,), split_from(*train), split_from(*test), "rep")
+
+
+def run_on(data, algorithm, hp=None, rounds=25):
+    from flows.train import InlineSteps, run_round
+    from pfl_tasks.algorithms import build
+    from pfl_tasks.algorithms.federation import Federation
+    from pfl_tasks.config import parse_params
+
+    params = parse_params(tiny_params(
+        model={"kind": "mlp", "hidden": [16]}, federation={"rounds": rounds},
+        local={"steps": 10, "batch_size": 32, "optimizer": {"lr": 0.1}},
+    ))
+    fed = Federation(params.experiment("tiny"), build(algorithm, hp or {}), data)
+    state = fed.initial_state()
+    for r in range(rounds):
+        state = run_round(InlineSteps(2), fed, state, r)
+    return fed, state
+
+
+@pytest.mark.parametrize("algorithm", ["fedper", "fedrep"])
+def test_head_stays_on_client_and_beats_fedavg_when_heads_differ(algorithm):
+    data = shared_representation_clients()
+    fed, state = run_on(data, algorithm)
+    head = {"3.weight", "3.bias"}
+    assert not head & set(state.server["body"])
+    payload = fed.algorithm.payload(state.server)
+    result = fed.local_update(0, payload, torch.arange(6), state.clients)
+    assert not head & set(result.messages["body"]) and set(result.clients["head"]) == head
+    acc = fed.evaluate(state)["personalized"]["acc"].mean().item()
+    avg_fed, avg_state = run_on(data, "fedavg")
+    avg_acc = avg_fed.evaluate(avg_state)["personalized"]["acc"].mean().item()
+    assert acc > avg_acc + 0.15, (acc, avg_acc)
+
+
+def test_fedrep_trains_head_then_body_with_the_other_frozen():
+    data = shared_representation_clients()
+    fed, state = run_on(data, "fedrep", {"head_epochs": 1}, rounds=1)
+    calls = []
+
+    class Spy:
+        def __init__(self, trainer):
+            self.trainer, self.local, self.client_ids = trainer, trainer.local, trainer.client_ids
+
+        def fit(self, params, trainable=None, **kw):
+            calls.append((sorted(trainable), kw.get("local")))
+            return self.trainer.fit(params, trainable=trainable, **kw)
+
+    from pfl_tasks.engine.executor import VectorizedTrainer
+
+    trainer = VectorizedTrainer(fed.fresh_net(), "classification", fed.train, torch.arange(6),
+                                fed.exp.local, 0, 0)
+    fed.algorithm.client_update(Spy(trainer), fed.algorithm.payload(state.server), state.clients)
+    assert calls[0][0] == ["3.bias", "3.weight"] and calls[0][1].epochs == 1
+    assert calls[1][0] == ["1.bias", "1.weight"] and calls[1][1] is None
+
+
+# ----------------------------------------------------------------------------- pFedMe
+def test_pfedme_global_minimizes_the_moreau_envelopes_and_personal_is_the_prox():
+    lam = 1.0
+    hp = {"lam": lam, "inner_steps": 5, "personal_lr": 0.05, "beta": 1.0}
+    xs, ys, fed, state = lsq_federation("pfedme", hp, lr=0.5, rounds=250)
+    hess, opt = local_hessians(xs, ys)
+    eye = torch.eye(3, dtype=torch.float64)
+    envelope = [torch.linalg.inv(torch.linalg.inv(a) + eye / lam) for a in hess]  # Hessian of M_k
+    theta = torch.linalg.solve(sum(envelope), sum(h @ c for h, c in zip(envelope, opt)))
+    assert_rel_close(state.server["global"]["1.weight"][0], theta)
+    for k, (a, c) in enumerate(zip(hess, opt)):
+        prox = torch.linalg.solve(a + lam * eye, a @ c + lam * theta)
+        assert_rel_close(state.clients["personal"]["1.weight"][k, 0], prox)
+    assert (theta - pooled_least_squares(xs, ys, [1] * 4)).norm() > 1e-2  # not FedAvg's point
+
+
+# ----------------------------------------------------------------------------- pFedMac
+def test_pfedmac_reaches_the_stationary_point_of_its_objective():
+    lam = 0.3
+    hp = {"lam": lam, "inner_steps": 10, "personal_lr": 0.05, "beta": 1.0}
+    xs, ys, fed, state = lsq_federation("pfedmac", hp, lr=2.0, rounds=150)
+    hess, opt = local_hessians(xs, ys)
+    inv = [torch.linalg.inv(a) for a in hess]
+    eye = torch.eye(3, dtype=torch.float64)
+    theta = torch.linalg.solve(eye - lam * sum(inv) / 4, sum(opt) / 4)
+    assert_rel_close(state.server["global"]["1.weight"][0], theta)
+    for k in range(4):
+        assert_rel_close(state.clients["personal"]["1.weight"][k, 0], opt[k] + lam * inv[k] @ theta)
+
+
+def test_pfedmac_l1_term_gives_exact_zeros():
+    hp = {"lam": 0.3, "inner_steps": 10, "personal_lr": 0.05, "gamma": 1.5}
+    _, _, _, sparse = lsq_federation("pfedmac", hp, lr=2.0, rounds=60)
+    _, _, _, dense = lsq_federation("pfedmac", {**hp, "gamma": 0.0}, lr=2.0, rounds=60)
+    assert (sparse.clients["personal"]["1.weight"] == 0).sum() >= 1
+    assert (dense.clients["personal"]["1.weight"] == 0).sum() == 0
+    from pfl_tasks.algorithms.pfedmac import soft_threshold
+
+    got = soft_threshold(torch.tensor([-3.0, -0.5, 0.0, 0.2, 2.0]), 1.0)
+    assert torch.equal(got, torch.tensor([-2.0, 0.0, 0.0, 0.0, 1.0]))
+
+
+# ----------------------------------------------------------------------------- APFL
+def test_apfl_mixture_converges_to_each_local_optimum():
+    """The seed's caveat: unconstrained, the personalized mixture is just the local optimum."""
+    xs, ys, fed, state = lsq_federation("apfl", {"alpha": 0.7}, lr=0.1, rounds=400)
+    _, opt = local_hessians(xs, ys)
+    mixture, stacked = fed.algorithm.personalized(state.server, state.clients)
+    assert stacked
+    for k in range(4):
+        assert_rel_close(mixture["1.weight"][k, 0], opt[k])
+    assert_rel_close(state.server["global"]["1.weight"][0], pooled_least_squares(xs, ys, [1] * 4))
+    local_alone = state.clients["local"]["1.weight"][:, 0]
+    assert max((local_alone[k].double() - opt[k]).norm() for k in range(4)) > 1e-2  # v alone is not it
+
+
+def test_apfl_adaptive_alpha_follows_its_gradient_formula():
+    hp = {"alpha": 0.5, "adaptive_alpha": True, "alpha_lr": 0.001}
+    xs, ys, fed, state = lsq_federation("apfl", hp, lr=0.05, rounds=5)
+    theta = state.server["global"]["1.weight"][0].double()
+    v = state.clients["local"]["1.weight"][:, 0].double()
+    alpha = state.clients["alpha"].double()
+    expected = []
+    for k, (x, y) in enumerate(zip(xs, ys)):
+        x, y = x.double(), y.double()
+        mix = alpha[k] * v[k] + (1 - alpha[k]) * theta
+        g_mix = 2 * x.T @ (x @ mix - y) / len(y)
+        expected.append(alpha[k] - 0.001 * torch.dot(v[k] - theta, g_mix))
+    from flows.train import InlineSteps, run_round
+
+    after = run_round(InlineSteps(1), fed, state, 5)
+    torch.testing.assert_close(after.clients["alpha"].double(), torch.stack(expected), rtol=1e-5, atol=1e-7)
+    assert (after.clients["alpha"] - state.clients["alpha"]).abs().max() > 1e-4
+    assert ((0 < after.clients["alpha"]) & (after.clients["alpha"] < 1)).all()  # not clipped
+
+
+# ----------------------------------------------------------------------------- L2SGD
+def l2sgd_rounds(seed=0, p=0.5, n=40):
+    from pfl_tasks.algorithms.l2sgd import communicates
+
+    return [communicates(seed, r, p) for r in range(n)]
+
+
+def test_l2sgd_expected_step_is_exactly_a_gradient_step_on_its_objective():
+    """(1-p) * local branch + p * averaging branch = Theta - lr grad F(Theta), F = f + lam phi."""
+    from flows.train import InlineSteps, run_round
+    from pfl_tasks.algorithms.federation import RunState
+
+    lam, p, lr = 2.0, 0.3, 0.2
+    coins = l2sgd_rounds(p=p)
+    xs, ys, fed, state = lsq_federation("l2sgd", {"lam": lam, "p": p, "lr": lr}, rounds=7)
+    state = RunState(state.round, {**state.server, "pending": torch.zeros(())}, {
+        "params": {"1.weight": state.clients["params"]["1.weight"] + torch.randn(4, 1, 3)}})
+    theta = state.clients["params"]["1.weight"][:, 0].double()
+    local_round, comm_round = coins.index(False), coins.index(True)
+    local = run_round(InlineSteps(1), fed, state, local_round).clients["params"]["1.weight"][:, 0]
+    comm = run_round(InlineSteps(1), fed, state, comm_round)
+    averaged = fed.algorithm.personalized(comm.server, comm.clients)[0]["1.weight"][:, 0]
+    k = len(xs)
+    grad_f = torch.stack([2 * x.double().T @ (x.double() @ theta[i] - y.double()) / len(y)
+                          for i, (x, y) in enumerate(zip(xs, ys))])
+    grad_F = grad_f / k + lam / k * (theta - theta.mean(0))
+    expected = theta - lr * grad_F
+    torch.testing.assert_close((1 - p) * local.double() + p * averaged.double(), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_l2sgd_communicates_with_probability_p():
+    coins = l2sgd_rounds(p=0.3, n=4000)
+    assert abs(sum(coins) / len(coins) - 0.3) < 0.03
+
+
+def l2sgd_average_iterate(lam, lr, rounds=1500, tail=1000):
+    from flows.train import InlineSteps, run_round
+
+    xs, ys, fed, state = lsq_federation("l2sgd", {"lam": lam, "p": 0.5, "lr": lr}, rounds=0)
+    total = 0
+    for r in range(rounds):
+        state = run_round(InlineSteps(1), fed, state, r)
+        if r >= rounds - tail:
+            total = total + fed.algorithm.personalized(state.server, state.clients)[0]["1.weight"][:, 0].double()
+    return xs, ys, total / tail
+
+
+def mixture_optimum(xs, ys, lam):
+    """argmin f(Theta) + lam phi(Theta): theta_k = (A_k + lam I)^-1 (A_k c_k + lam mean)."""
+    hess, opt = local_hessians(xs, ys)
+    eye = torch.eye(3, dtype=torch.float64)
+    solves = [torch.linalg.inv(a + lam * eye) for a in hess]
+    mean = torch.linalg.solve(eye - sum(lam * s for s in solves) / 4, sum(s @ a @ c for s, a, c in zip(solves, hess, opt)) / 4)
+    return torch.stack([s @ (a @ c + lam * mean) for s, a, c in zip(solves, hess, opt)]), opt
+
+
+@pytest.mark.parametrize("lam", [0.0, 1.0])
+def test_l2sgd_average_iterate_approaches_the_mixture_optimum(lam):
+    """A constant step leaves a noise floor, so the averaged iterate is held to 5%;
+    lam = 0 is the local optima."""
+    xs, ys, avg = l2sgd_average_iterate(lam, lr=0.2)
+    optimum, local_opt = mixture_optimum(xs, ys, lam)
+    assert (avg - optimum).norm() / optimum.norm() < 5e-2
+    if lam == 0.0:
+        assert (optimum - torch.stack(local_opt)).norm() < 1e-10
+
+
+def test_l2sgd_large_lambda_approaches_consensus():
+    xs, ys, avg = l2sgd_average_iterate(4.0, lr=0.2, rounds=600, tail=300)
+    _, local_opt = local_hessians(xs, ys)
+    local_opt = torch.stack(local_opt)
+    spread = (avg - avg.mean(0)).norm()
+    assert spread < 0.6 * (local_opt - local_opt.mean(0)).norm()
