@@ -265,3 +265,79 @@ def test_l2sgd_large_lambda_approaches_consensus():
     local_opt = torch.stack(local_opt)
     spread = (avg - avg.mean(0)).norm()
     assert spread < 0.6 * (local_opt - local_opt.mean(0)).norm()
+
+
+# ----------------------------------------------------------------------------- FPFC
+def test_fpfc_prox_regimes_by_hand():
+    from pfl_tasks.algorithms.fpfc import FPFCHyper, fusion_prox
+
+    hp = FPFCHyper(rho=1.0, lam=0.5, a=3.7, xi=1e-4)
+    norms = torch.tensor([0.3, 0.8, 1.5, 3.0, 1.0, 1.85])
+    scad_15 = (1 - 3.7 * 0.5 / (2.7 * 1.5)) / (1 - 1 / 2.7)
+    expected = torch.tensor([1e-4 / (1e-4 + 0.5), 1 - 0.5 / 0.8, scad_15, 1.0, 0.5, 1.0])
+    torch.testing.assert_close(fusion_prox(norms, hp), expected, rtol=1e-6, atol=1e-7)
+
+
+def grouped_regression_clients(per_group=3, n=60, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    centers = torch.eye(3) * 3.0
+    xs, ys, groups = [], [], []
+    for g in range(3):
+        for _ in range(per_group):
+            x = torch.randn(n, 3, generator=gen)
+            xs.append(x)
+            ys.append(x @ centers[g] + 0.05 * torch.randn(n, generator=gen))
+            groups.append(g)
+    return xs, ys, groups
+
+
+def test_fpfc_recovers_hidden_groups_without_their_number():
+    from sklearn.metrics import adjusted_rand_score
+
+    from conftest import regression_data
+    from flows.train import InlineSteps, run_round
+    from pfl_tasks.algorithms import build
+    from pfl_tasks.algorithms.federation import Federation
+    from pfl_tasks.config import parse_params
+
+    xs, ys, groups = grouped_regression_clients()
+    params = parse_params(tiny_params(
+        model={"kind": "linear", "bias": False}, federation={"rounds": 60},
+        local={"steps": 5, "batch_size": None, "optimizer": {"lr": 0.05}},
+    ))
+    fed = Federation(params.experiment("tiny"), build("fpfc", {}), regression_data(xs, ys))
+    state = fed.initial_state()
+    for r in range(60):
+        state = run_round(InlineSteps(2), fed, state, r)
+    labels = fed.algorithm.clusters(state.server)
+    assert adjusted_rand_score(groups, labels.tolist()) == 1.0
+    assert len(set(labels.tolist())) == 3
+    models = state.clients["params"]["1.weight"][:, 0]
+    for g in range(3):  # fused: one model per cluster, the cluster's own least squares
+        members = [i for i in range(9) if groups[i] == g]
+        cluster_ls = pooled_least_squares([xs[i] for i in members], [ys[i] for i in members])
+        for i in members:
+            assert_rel_close(models[i], cluster_ls, tol=1e-3)
+            own = pooled_least_squares([xs[i]], [ys[i]])
+            assert (own - cluster_ls).norm() > 5e-3  # alone it would differ
+
+
+def test_fpfc_partial_participation_updates_only_active_pairs():
+    from conftest import regression_data
+    from flows.train import InlineSteps, run_round
+    from pfl_tasks.algorithms import build
+    from pfl_tasks.algorithms.federation import Federation
+    from pfl_tasks.config import parse_params
+
+    xs, ys, _ = grouped_regression_clients()
+    params = parse_params(tiny_params(
+        model={"kind": "linear", "bias": False}, federation={"rounds": 1, "clients_per_round": 3},
+        local={"steps": 2, "batch_size": None},
+    ))
+    fed = Federation(params.experiment("tiny"), build("fpfc", {}), regression_data(xs, ys))
+    state = run_round(InlineSteps(1), fed, fed.initial_state(), 0)
+    active = set(fed.sample_clients(0).tolist())
+    pairs = state.server["pairs"]
+    touched = state.server["theta"]["1.weight"].flatten(1).abs().sum(1) > 0
+    for (i, j), hit in zip(pairs.T.tolist(), touched.tolist()):
+        assert hit == (i in active and j in active)

@@ -8,6 +8,7 @@ from pfl_tasks.algorithms import (  # noqa: F401  (registration)
     fedper,
     fedprox,
     fedrep,
+    fpfc,
     l2sgd,
     local,
     pfedmac,

@@ -2,6 +2,7 @@
 
 Per round the engine calls, in order:
   payload(server)                       -> what the server broadcasts to sampled clients
+  download(payload, ids)                -> (shared, per-client rows) that each chunk receives
   client_update(trainer, payload, state) -> (message up the wire [K, ...], new client state [K, ...])
   aggregate(server, messages, weights)  -> new server state (the algorithm's own rule)
 and for evaluation of every client:
@@ -44,6 +45,11 @@ class Algorithm(ABC):
 
     def payload(self, server: Tree) -> Tree:
         return {"global": server["global"]}
+
+    def download(self, payload: Tree, ids: torch.Tensor) -> tuple[Tree, Tree]:
+        """(shared, rows): what every client of `ids` receives, and per-client rows [K, ...]
+        (e.g. FPFC's zeta_i); both reach `client_update` merged."""
+        return payload, {}
 
     @abstractmethod
     def client_update(self, trainer: LocalTrainer, payload: Tree, state: Tree) -> tuple[Tree, Tree]:

@@ -89,9 +89,10 @@ class Federation:
             self.exp.seed, round_idx,
         )
         state = to_device(gather(clients, ids), self.device)
-        messages, new_state = self.algorithm.client_update(trainer, payload, state)
+        shared, rows = self.algorithm.download(payload, ids.to(self.device))
+        messages, new_state = self.algorithm.client_update(trainer, {**shared, **rows}, state)
         new_state = tree_map(lambda t: t.cpu(), new_state)
-        return ChunkResult(ids, messages, new_state, tree_bytes(payload) * len(ids))
+        return ChunkResult(ids, messages, new_state, tree_bytes(shared) * len(ids) + tree_bytes(rows))
 
     def aggregate(self, state: RunState, results: list[ChunkResult]) -> RunState:
         ids = torch.cat([r.ids for r in results])
