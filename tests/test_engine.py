@@ -107,11 +107,11 @@ def test_epochs_budget_gives_each_client_its_own_step_count():
     assert sched.active.sum(1).tolist() == [2, 6]  # 2 * ceil(n / min(16, n))
 
 
-@pytest.mark.parametrize("algorithm", ["ditto", "feddyn", "fedper", "fedrep", "pfedme", "pfedmac", "apfl", "l2sgd", "fpfc"])
+@pytest.mark.parametrize("algorithm", ["ditto", "feddyn", "fedper", "fedrep", "pfedme", "pfedmac", "apfl", "l2sgd", "fpfc", "fedcr"])
 def test_vectorized_equals_sequential_for_seed_algorithms(digits6, algorithm):
     fed, vec = run(digits6, algorithm, "vectorized", hp={"feddyn": {"alpha": 0.1}}.get(algorithm, {}))
     _, seq = run(digits6, algorithm, "sequential", hp={"feddyn": {"alpha": 0.1}}.get(algorithm, {}))
-    for view in (fed.algorithm.personalized, lambda s, c: (fed.algorithm.global_model(s), False)):
+    for view in (fed.algorithm.personalized, lambda s, c: (fed.algorithm.global_model(s, c), False)):
         a, _ = view(vec.server, vec.clients)
         b, _ = view(seq.server, seq.clients)
         if a is not None:

@@ -341,3 +341,75 @@ def test_fpfc_partial_participation_updates_only_active_pairs():
     touched = state.server["theta"]["1.weight"].flatten(1).abs().sum(1) > 0
     for (i, j), hit in zip(pairs.T.tolist(), touched.tolist()):
         assert hit == (i in active and j in active)
+
+
+# ----------------------------------------------------------------------------- FedCR
+def test_fedcr_server_poe_equals_a_direct_product_of_gaussians():
+    """Multiply the prior and experts' densities on a grid; read mean and variance off the
+    log-density (a quadratic), per dimension."""
+    import numpy as np
+
+    from pfl_tasks.algorithms.fedcr import product_of_experts
+
+    gen = torch.Generator().manual_seed(1)
+    mus = torch.randn(3, 1, 2, generator=gen, dtype=torch.float64)
+    variances = torch.rand(3, 1, 2, generator=gen, dtype=torch.float64) + 0.2
+    present = torch.tensor([[1.0], [1.0], [0.0]], dtype=torch.float64)  # third expert lacks the class
+    mean, var = product_of_experts(1 / variances, mus / variances, present)
+    grid = np.linspace(-3, 3, 7)
+    for d in range(2):
+        logp = -0.5 * grid**2  # N(0, 1) prior
+        for i in range(2):
+            logp = logp - 0.5 * (grid - mus[i, 0, d].item()) ** 2 / variances[i, 0, d].item()
+        a, b, _ = np.polyfit(grid, logp, 2)  # logp = a z^2 + b z + c
+        assert abs(var[0, d].item() - (-1 / (2 * a))) < 1e-9
+        assert abs(mean[0, d].item() - (-b / (2 * a))) < 1e-9
+
+
+def test_fedcr_classes_missing_from_all_active_clients_keep_last_statistics():
+    from pfl_tasks.algorithms import build
+
+    alg = build("fedcr", {})
+    server = {"body": {"w": torch.zeros(2, 1)}, "class_mean": torch.full((3, 2), 7.0),
+              "class_var": torch.full((3, 2), 0.5)}
+    messages = {
+        "body": {"w": torch.ones(2, 2, 1)},
+        "precision": torch.ones(2, 3, 2), "precision_mean": torch.ones(2, 3, 2),
+        "present": torch.tensor([[1.0, 0.0, 0.0], [1.0, 1.0, 0.0]]),
+    }
+    new = alg.aggregate(server, messages, torch.ones(2))
+    assert torch.equal(new["class_mean"][2], server["class_mean"][2])
+    assert torch.equal(new["class_var"][2], server["class_var"][2])
+    torch.testing.assert_close(new["class_var"][0], torch.full((2,), 1 / 3))  # prior + 2 experts
+    torch.testing.assert_close(new["class_mean"][1], torch.full((2,), 1 / 2))  # prior + 1 expert
+    torch.testing.assert_close(new["body"]["w"], torch.ones(2, 1))
+
+
+def test_fedcr_kl_gradient_matches_the_analytic_diagonal_gaussian_kl():
+    from pfl_tasks.algorithms.fedcr import gaussian_kl
+
+    gen = torch.Generator().manual_seed(2)
+    mu1, mu2 = torch.randn(5, generator=gen, dtype=torch.float64), torch.randn(5, generator=gen, dtype=torch.float64)
+    var1 = torch.rand(5, generator=gen, dtype=torch.float64) + 0.3
+    var2 = (torch.rand(5, generator=gen, dtype=torch.float64) + 0.3).requires_grad_()
+    mu2.requires_grad_()
+    kl = gaussian_kl(mu1, var1, mu2, var2)
+    g_mu, g_var = torch.autograd.grad(kl, (mu2, var2))
+    torch.testing.assert_close(g_mu, (mu2 - mu1).detach() / var2.detach())
+    v2 = var2.detach()
+    torch.testing.assert_close(g_var, 1 / (2 * v2) - (var1 + (mu1 - mu2.detach()) ** 2) / (2 * v2**2))
+    torch.testing.assert_close(kl.detach(), (0.5 * (torch.log(v2 / var1) + (var1 + (mu1 - mu2.detach()) ** 2) / v2 - 1)).sum())
+
+
+def test_fedcr_without_alignment_or_noise_is_fedper():
+    data = shared_representation_clients()
+    fed_cr, cr = run_on(data, "fedcr", {"beta": 0.0, "stochastic": False}, rounds=3)
+    fed_per, per = run_on(data, "fedper", {"weighting": "uniform"}, rounds=3)
+    a, _ = fed_cr.algorithm.personalized(cr.server, cr.clients)
+    b, _ = fed_per.algorithm.personalized(per.server, per.clients)
+    assert set(a) == set(b)
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)
+    fed_noisy, noisy = run_on(data, "fedcr", {"beta": 0.01}, rounds=3)
+    c, _ = fed_noisy.algorithm.personalized(noisy.server, noisy.clients)
+    assert (c["3.weight"] - a["3.weight"]).abs().max() > 1e-4  # noise and KL do act

@@ -4,6 +4,7 @@ from pfl_tasks.algorithms import (  # noqa: F401  (registration)
     apfl,
     ditto,
     fedavg,
+    fedcr,
     feddyn,
     fedper,
     fedprox,

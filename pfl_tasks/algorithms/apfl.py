@@ -62,7 +62,7 @@ class APFL(Algorithm):
         hp, local = self.hp, trainer.local
         tau = local.steps or local.epochs
 
-        def step(carry, data_loss, aux):
+        def step(carry, data_loss, aux, batch):
             theta, v, alpha = carry["theta"], carry["local"], carry["alpha"]
             eta = self.step_size(local.optimizer.lr, carry["steps_done"], tau)
             g_mix = grad(data_loss)(mixture(alpha, v, theta))

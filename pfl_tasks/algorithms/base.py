@@ -7,7 +7,7 @@ Per round the engine calls, in order:
   aggregate(server, messages, weights)  -> new server state (the algorithm's own rule)
 and for evaluation of every client:
   personalized(server, state)           -> the model each client uses
-  global_model(server)                  -> the shared model, or None if there is none
+  global_model(server, clients)         -> the shared model, or None if there is none
 Server state is a tree of tensors; client state is a tree of stacks with one row per client.
 """
 
@@ -63,5 +63,7 @@ class Algorithm(ABC):
         """(params, stacked): a stack [K, ...] of per-client models, or one shared model."""
         return server["global"], False
 
-    def global_model(self, server: Tree) -> Params | None:
+    def global_model(self, server: Tree, clients: Tree) -> Params | None:
+        """`clients` is every client's state, for views a simulator can form for evaluation
+        only (e.g. FedPer's body with the clients' mean head); nothing is sent for it."""
         return server["global"]

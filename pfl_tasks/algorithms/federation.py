@@ -108,7 +108,7 @@ class Federation:
     def evaluate(self, state: RunState) -> dict[str, dict[str, torch.Tensor]]:
         """Per-client test metrics of every client, for the personalized and global models."""
         out: dict[str, list[dict]] = {"personalized": [], "global": []}
-        shared = self.algorithm.global_model(state.server)
+        shared = self.algorithm.global_model(state.server, to_device(state.clients, self.device))
         for ids in self.chunks(torch.arange(self.n_clients)):
             chunk = to_device(gather(state.clients, ids), self.device)
             params, stacked = self.algorithm.personalized(state.server, chunk)

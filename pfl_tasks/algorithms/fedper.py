@@ -2,8 +2,8 @@
 
 Arivazhagan et al., "Federated Learning with Personalization Layers", arXiv:1912.00818, 2019.
 The head is the net's last layer. Local training updates body and head together from
-[received body, own head]; only the body is sent. There is no global model to evaluate (the
-server has no head).
+[received body, own head]; only the body is sent. The server has no head, so the "global"
+model evaluated is the body with the clients' mean head, formed by the simulator.
 """
 
 from __future__ import annotations
@@ -52,5 +52,6 @@ class FedPer(Algorithm):
         k = len(next(iter(state["head"].values())))
         return {**broadcast(server["body"], k), **state["head"]}, True
 
-    def global_model(self, server):
-        return None
+    def global_model(self, server, clients):
+        """Evaluation-only view: the body with the clients' mean head (heads never move)."""
+        return {**server["body"], **{k: v.mean(0) for k, v in clients["head"].items()}}

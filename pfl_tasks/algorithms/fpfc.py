@@ -114,7 +114,7 @@ class FPFC(Algorithm):
     def personalized(self, server, state):
         return state["params"], True
 
-    def global_model(self, server):
+    def global_model(self, server, clients):
         return {k: v.mean(0) for k, v in server["omega"].items()}
 
     def clusters(self, server, tol: float = 1e-3) -> torch.Tensor:

@@ -75,5 +75,5 @@ class L2SGD(Algorithm):
     def personalized(self, server, state):
         return self.averaging_step(state["params"], server), True
 
-    def global_model(self, server):
+    def global_model(self, server, clients):
         return server["mean"]

@@ -33,5 +33,5 @@ class LocalOnly(Algorithm):
     def personalized(self, server, state):
         return state["params"], True
 
-    def global_model(self, server):
+    def global_model(self, server, clients):
         return None

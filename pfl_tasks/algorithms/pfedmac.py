@@ -50,7 +50,7 @@ class PFedMac(Algorithm):
     def client_update(self, trainer, payload, state):
         hp, eta = self.hp, trainer.local.optimizer.lr
 
-        def step(carry, data_loss, aux):
+        def step(carry, data_loss, aux, batch):
             theta, omega = carry["theta"], carry["personal"]
 
             def correlation_objective(w):

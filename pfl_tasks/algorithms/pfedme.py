@@ -46,7 +46,7 @@ class PFedMe(Algorithm):
     def client_update(self, trainer, payload, state):
         hp, eta = self.hp, trainer.local.optimizer.lr
 
-        def step(carry, data_loss, aux):
+        def step(carry, data_loss, aux, batch):
             omega, theta = carry["omega"], carry["personal"]
 
             def prox_objective(p):

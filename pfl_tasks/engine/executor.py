@@ -30,7 +30,18 @@ from pfl_tasks.engine.state import Params, Stack, Tree, tree_map, tree_zip
 
 DataLoss = Callable[[Params], torch.Tensor]
 Objective = Callable[[DataLoss, Params, Tree], torch.Tensor]
-Step = Callable[[Tree, DataLoss, Tree], Tree]
+Step = Callable[[Tree, DataLoss, Tree, "Batch"], Tree]
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One client's minibatch inside a `scan` step: `weight` sums to 1 over real rows (0 on
+    padding), `extra` holds this step's slice of the `per_step` tensors."""
+
+    x: torch.Tensor
+    y: torch.Tensor
+    weight: torch.Tensor
+    extra: Tree
 
 
 def data_objective(data_loss, params, aux):
@@ -107,10 +118,17 @@ class LocalTrainer(ABC):
 
     @abstractmethod
     def scan(self, carry: Tree, step: Step, aux: Tree | None = None, stream: int = 0,
-             local: LocalConfig | None = None) -> Tree:
-        """Run `step(carry_k, data_loss, aux_k) -> carry_k` once per local step, each on a fresh
-        minibatch, for every client; for algorithms whose local work is not plain optimization
-        (nested prox solves, mixtures). `step` may call `torch.func.grad` on `data_loss`."""
+             local: LocalConfig | None = None, per_step: Tree | None = None) -> Tree:
+        """Run `step(carry_k, data_loss, aux_k, batch) -> carry_k` once per local step, each on
+        a fresh minibatch, for every client; for algorithms whose local work is not plain
+        optimization (nested prox solves, mixtures, custom forward passes). `step` may call
+        `torch.func.grad`. `per_step` tensors [K, S, B, ...] (e.g. noise drawn per client
+        outside `vmap`, so both executors see the same) reach the step as `batch.extra`."""
+
+    def steps_and_batch(self, stream: int = 0, local: LocalConfig | None = None) -> tuple[int, int]:
+        """(S, B): the padded step and batch counts `scan` will use for this chunk."""
+        sched = self.schedule(stream, local or self.local)
+        return sched.index.shape[1], sched.index.shape[2]
 
     def net_loss(self, params: Params, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return per_sample_loss(self.task, functional_call(self.net, params, (x,)), y)
@@ -141,19 +159,22 @@ class VectorizedTrainer(LocalTrainer):
             train, opt_state = optim.step(local.optimizer, train, g, opt_state, s, active)
         return {**frozen, **train}
 
-    def scan(self, carry, step, aux=None, stream=0, local=None):
+    def scan(self, carry, step, aux=None, stream=0, local=None, per_step=None):
         sched = self.schedule(stream, local or self.local)
 
-        def client_step(c, x, y, mask, a):
-            def data_loss(p):
-                return (self.net_loss(p, x, y) * mask).sum() / mask.sum()
+        def client_step(c, x, y, mask, a, extra):
+            weight = mask / mask.sum()
 
-            return step(c, data_loss, a)
+            def data_loss(p):
+                return (self.net_loss(p, x, y) * weight).sum()
+
+            return step(c, data_loss, a, Batch(x, y, weight, extra))
 
         stepped = vmap(client_step)
         for s in range(sched.index.shape[1]):
             x, y, mask = self._batch(sched, s)
-            new = stepped(carry, x, y, mask.to(x.dtype), aux or {})
+            extra = tree_map(lambda t: t[:, s], per_step or {})
+            new = stepped(carry, x, y, mask.to(x.dtype), aux or {}, extra)
             active = sched.active[:, s].to(x.device)
             carry = tree_zip(lambda n, o: torch.where(_rows(active, n), n, o), new, carry)
         return carry
@@ -191,7 +212,7 @@ class SequentialTrainer(LocalTrainer):
                 out[k][i] = p[k].detach()
         return out
 
-    def scan(self, carry, step, aux=None, stream=0, local=None):
+    def scan(self, carry, step, aux=None, stream=0, local=None, per_step=None):
         sched = self.schedule(stream, local or self.local)
         rows = []
         for i in range(len(self.client_ids)):
@@ -199,7 +220,9 @@ class SequentialTrainer(LocalTrainer):
             a = tree_map(lambda t: t[i], aux or {})
             for s in range(int(sched.active[i].sum())):
                 x, y = self._batch(sched, i, s)
-                c = step(c, lambda p: self.net_loss(p, x, y).mean(), a)
+                extra = tree_map(lambda t: t[i, s, : len(y)], per_step or {})
+                weight = torch.full((len(y),), 1 / len(y), device=x.device)
+                c = step(c, lambda p: self.net_loss(p, x, y).mean(), a, Batch(x, y, weight, extra))
             rows.append(c)
         return tree_zip(lambda *ts: torch.stack(ts), *rows)
 
