@@ -413,3 +413,36 @@ def test_fedcr_without_alignment_or_noise_is_fedper():
     fed_noisy, noisy = run_on(data, "fedcr", {"beta": 0.01}, rounds=3)
     c, _ = fed_noisy.algorithm.personalized(noisy.server, noisy.clients)
     assert (c["3.weight"] - a["3.weight"]).abs().max() > 1e-4  # noise and KL do act
+
+
+def test_apfl_iterate_averages_match_a_brute_force_running_average():
+    """With partial participation the lazy per-client sums equal averaging every round's
+    mixture alpha_k v_k + (1 - alpha_k) theta with weights p_r = (r tau + a)^2."""
+    from flows.train import InlineSteps, run_round
+    from pfl_tasks.algorithms import build
+    from pfl_tasks.algorithms.federation import Federation
+    from pfl_tasks.config import parse_params
+    from conftest import least_squares_clients, regression_data
+
+    xs, ys = least_squares_clients()
+    params = parse_params(tiny_params(
+        model={"kind": "linear", "bias": False}, federation={"rounds": 6, "clients_per_round": 2},
+        local={"steps": 3, "batch_size": None, "optimizer": {"lr": 0.05}},
+    ))
+    hp = {"alpha": 0.4, "adaptive_alpha": True, "alpha_lr": 0.001, "average_iterates": True}
+    fed = Federation(params.experiment("tiny"), build("apfl", hp), regression_data(xs, ys))
+    state = fed.initial_state()
+    mix_sum, theta_sum, weight = 0, 0, 0
+    for r in range(6):
+        state = run_round(InlineSteps(1), fed, state, r)
+        p = ((r + 1) * 3 + 128) ** 2
+        theta = state.server["global"]["1.weight"].double()
+        alpha = state.clients["alpha"].double().view(-1, 1, 1)
+        mix_sum = mix_sum + p * (alpha * state.clients["local"]["1.weight"].double() + (1 - alpha) * theta)
+        theta_sum, weight = theta_sum + p * theta, weight + p
+    personal, _ = fed.algorithm.personalized(state.server, state.clients)
+    torch.testing.assert_close(personal["1.weight"].double(), mix_sum / weight, rtol=1e-5, atol=1e-6)
+    shared = fed.algorithm.global_model(state.server, state.clients)
+    torch.testing.assert_close(shared["1.weight"].double(), theta_sum / weight, rtol=1e-5, atol=1e-6)
+    last, _ = build("apfl", {**hp, "average_iterates": False}).personalized(state.server, state.clients)
+    assert (last["1.weight"].double() - mix_sum / weight).abs().max() > 1e-3  # averaging matters

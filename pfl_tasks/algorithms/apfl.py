@@ -10,8 +10,11 @@ then theta_k is sent and the server averages them uniformly (seed: 1/#S).
 eta is the local optimizer's lr, or 16 / (mu (t + a)), a = max(128 kappa, tau), with
 `decay_mu` set (t counts the client's local steps over all rounds). The personalized model
 evaluated is the mixture a_k v_k + (1 - a_k) theta (a known peer bug evaluates v_k alone).
-alpha = 0.25 is among the paper's settings. [choice] The paper's final p_t = (t+a)^2 iterate
-averaging (a device of its convergence proof) is not applied: the last iterates are reported.
+With `average_iterates`, both views are the paper's final averages with weights
+p_t = (t + a)^2, taken once per round (t = rounds x tau, tau = local steps, or epochs when the
+budget is in epochs): the server keeps sum_t p_t theta_t, and each client catches up its own sum
+lazily when it next participates (or at evaluation), so the cost stays per sampled client.
+alpha = 0.25 is among the paper's settings.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ class APFLHyper(HyperParams):
     alpha_lr: Annotated[float, Field(gt=0)] = 0.01
     decay_mu: Annotated[float, Field(gt=0)] | None = None
     decay_kappa: Annotated[float, Field(gt=0)] = 1.0
+    average_iterates: bool = False
 
 
 def mixture(alpha, v, theta):
@@ -45,26 +49,61 @@ class APFL(Algorithm):
     citation = "Deng et al., arXiv:2003.13461"
     Hyper = APFLHyper
 
+    def init_server(self, params):
+        server = {"global": params}
+        if self.hp.average_iterates:
+            zeros = {k: torch.zeros_like(v) for k, v in params.items()}
+            server.update(round=torch.zeros(()), weight_sum=torch.zeros(()), global_sum=zeros)
+        return server
+
     def init_clients(self, params, n_clients):
-        return {
+        state = {
             "local": replicate(params, n_clients),
             "alpha": torch.full((n_clients,), self.hp.alpha),
             "steps_done": torch.zeros(n_clients),
         }
+        if self.hp.average_iterates:
+            zeros = {k: torch.zeros_like(v) for k, v in params.items()}
+            state.update(mix_sum=replicate(zeros, n_clients), seen_weight=torch.zeros(n_clients),
+                         seen_global=replicate(zeros, n_clients))
+        return state
 
-    def step_size(self, local_lr, steps_done, tau):
+    def payload(self, server):
+        return {k: server[k] for k in ("global", "weight_sum", "global_sum") if k in server}
+
+    @property
+    def offset(self) -> float:
+        """a = max(128 kappa, tau)."""
+        return max(128 * self.hp.decay_kappa, self.tau)
+
+    def step_size(self, local_lr, steps_done):
         if self.hp.decay_mu is None:
             return local_lr
-        a = max(128 * self.hp.decay_kappa, tau)
-        return 16 / (self.hp.decay_mu * (steps_done + a))
+        return 16 / (self.hp.decay_mu * (steps_done + self.offset))
+
+    def catch_up(self, state, weight_sum, global_sum):
+        """Each client's sum_t p_t mix_t through the rounds it has not yet counted."""
+        gap = weight_sum - state["seen_weight"]
+
+        def add(mix_sum, v, g, seen):
+            alpha = state["alpha"].view(-1, *[1] * (v.dim() - 1))
+            rows = gap.view(-1, *[1] * (v.dim() - 1))
+            return mix_sum + alpha * v * rows + (1 - alpha) * (g - seen)
+
+        return {k: add(state["mix_sum"][k], v, global_sum[k], state["seen_global"][k])
+                for k, v in state["local"].items()}
 
     def client_update(self, trainer, payload, state):
         hp, local = self.hp, trainer.local
-        tau = local.steps or local.epochs
+        if hp.average_iterates:
+            k = len(trainer.client_ids)
+            state = {**state, "mix_sum": self.catch_up(state, payload["weight_sum"], payload["global_sum"]),
+                     "seen_weight": payload["weight_sum"].expand(k).clone(),
+                     "seen_global": {n: v.expand(k, *v.shape).clone() for n, v in payload["global_sum"].items()}}
 
         def step(carry, data_loss, aux, batch):
             theta, v, alpha = carry["theta"], carry["local"], carry["alpha"]
-            eta = self.step_size(local.optimizer.lr, carry["steps_done"], tau)
+            eta = self.step_size(local.optimizer.lr, carry["steps_done"])
             g_mix = grad(data_loss)(mixture(alpha, v, theta))
             g_theta = grad(data_loss)(theta)
             if hp.adaptive_alpha:
@@ -77,16 +116,34 @@ class APFL(Algorithm):
                 "steps_done": carry["steps_done"] + 1,
             }
 
-        start = {"theta": broadcast(payload["global"], len(trainer.client_ids)), **state}
+        trained = ("local", "alpha", "steps_done")
+        start = {"theta": broadcast(payload["global"], len(trainer.client_ids)), **{k: state[k] for k in trained}}
         out = trainer.scan(start, step)
-        return {"params": out.pop("theta")}, out
+        return {"params": out.pop("theta")}, {**state, **out}
 
     def aggregate(self, server, messages, weights):
-        return {"global": {k: v.mean(0) for k, v in messages["params"].items()}}
+        theta = {k: v.mean(0) for k, v in messages["params"].items()}
+        if not self.hp.average_iterates:
+            return {"global": theta}
+        r = server["round"] + 1
+        p = (r * self.tau + self.offset) ** 2
+        return {
+            "global": theta, "round": r, "weight_sum": server["weight_sum"] + p,
+            "global_sum": {k: server["global_sum"][k] + p * v for k, v in theta.items()},
+        }
 
     def personalized(self, server, state):
+        if self.hp.average_iterates:
+            total = self.catch_up(state, server["weight_sum"], server["global_sum"])
+            return {k: v / server["weight_sum"] for k, v in total.items()}, True
+
         def mix(v, theta):
             alpha = state["alpha"].view(-1, *[1] * (v.dim() - 1))
             return alpha * v + (1 - alpha) * theta
 
         return {k: mix(v, server["global"][k]) for k, v in state["local"].items()}, True
+
+    def global_model(self, server, clients):
+        if self.hp.average_iterates:
+            return {k: v / server["weight_sum"] for k, v in server["global_sum"].items()}
+        return server["global"]

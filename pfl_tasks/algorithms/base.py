@@ -33,6 +33,7 @@ class Algorithm(ABC):
     Hyper: ClassVar[type[HyperParams]] = HyperParams
 
     n_clients: int = 0  # set by the engine before the first round
+    tau: int = 1  # local steps per round (epochs when the budget is in epochs), set likewise
 
     def __init__(self, hp: HyperParams):
         self.hp = hp

@@ -51,6 +51,7 @@ class Federation:
     def __init__(self, exp: ResolvedExperiment, algorithm: Algorithm, data: FederatedData):
         self.exp, self.algorithm = exp, algorithm
         algorithm.n_clients = data.n_clients
+        algorithm.tau = exp.local.steps or exp.local.epochs
         self.device = resolve_device(exp.engine.device)
         self.task = data.task
         self.train = _split_to(data.train, self.device)
