@@ -446,3 +446,15 @@ def test_apfl_iterate_averages_match_a_brute_force_running_average():
     torch.testing.assert_close(shared["1.weight"].double(), theta_sum / weight, rtol=1e-5, atol=1e-6)
     last, _ = build("apfl", {**hp, "average_iterates": False}).personalized(state.server, state.clients)
     assert (last["1.weight"].double() - mix_sum / weight).abs().max() > 1e-3  # averaging matters
+
+
+def test_apfl_decaying_step_size_follows_16_over_mu_t_plus_a():
+    from pfl_tasks.algorithms import build
+
+    alg = build("apfl", {"decay_mu": 0.5, "decay_kappa": 2.0})
+    alg.tau = 10
+    assert alg.offset == 256  # max(128 kappa, tau)
+    assert alg.step_size(0.1, torch.tensor(44.0)).item() == pytest.approx(16 / (0.5 * 300))
+    alg.tau = 400
+    assert alg.offset == 400
+    assert build("apfl", {}).step_size(0.1, torch.tensor(5.0)) == 0.1  # constant without decay_mu
