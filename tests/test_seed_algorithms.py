@@ -458,3 +458,18 @@ def test_apfl_decaying_step_size_follows_16_over_mu_t_plus_a():
     alg.tau = 400
     assert alg.offset == 400
     assert build("apfl", {}).step_size(0.1, torch.tensor(5.0)) == 0.1  # constant without decay_mu
+
+
+def test_fedcr_alignment_term_pulls_features_towards_the_global_posterior():
+    from pfl_tasks.algorithms.fedcr import gaussian_kl
+
+    data = shared_representation_clients()
+
+    def mean_kl(beta):
+        fed, state = run_on(data, "fedcr", {"beta": beta, "stochastic": False}, rounds=3)
+        params = {**state.server["body"], **{k: v[0] for k, v in state.clients["head"].items()}}
+        x, y = data.train.x[: data.train.counts[0]], data.train.y[: data.train.counts[0]]
+        mu, var = fed.algorithm.features(fed.fresh_net(), params, x, set(state.clients["head"]))
+        return gaussian_kl(state.server["class_mean"][y], state.server["class_var"][y], mu, var).mean().item()
+
+    assert mean_kl(2.0) < 0.8 * mean_kl(0.0)
