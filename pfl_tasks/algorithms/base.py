@@ -23,6 +23,15 @@ from pfl_tasks.engine.executor import LocalTrainer
 from pfl_tasks.engine.state import Params, Tree
 
 
+def proximal(mu: float):
+    """Objective f_k(w) + mu/2 ||w - anchor||^2, the anchor passed as the trainer's `aux`."""
+
+    def objective(data_loss, params, anchor):
+        return data_loss(params) + 0.5 * mu * sum(((params[k] - anchor[k]) ** 2).sum() for k in anchor)
+
+    return objective
+
+
 class HyperParams(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 

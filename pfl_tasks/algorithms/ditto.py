@@ -14,6 +14,7 @@ from typing import Annotated
 
 from pydantic import Field
 
+from pfl_tasks.algorithms.base import proximal
 from pfl_tasks.algorithms.fedavg import FedAvg, FedAvgHyper
 from pfl_tasks.algorithms.registry import register
 from pfl_tasks.engine.state import broadcast, replicate
@@ -21,13 +22,6 @@ from pfl_tasks.engine.state import broadcast, replicate
 
 class DittoHyper(FedAvgHyper):
     mu: Annotated[float, Field(ge=0)] = 0.1
-
-
-def proximal(mu: float):
-    def objective(data_loss, params, anchor):
-        return data_loss(params) + 0.5 * mu * sum(((params[k] - anchor[k]) ** 2).sum() for k in anchor)
-
-    return objective
 
 
 @register

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Literal
 
 from pfl_tasks.algorithms.base import Algorithm, HyperParams
+from pfl_tasks.engine.executor import data_objective
 from pfl_tasks.algorithms.registry import register
 from pfl_tasks.engine.state import broadcast, weighted_mean
 
@@ -23,13 +24,13 @@ class FedAvg(Algorithm):
     citation = "McMahan et al., AISTATS 2017"
     Hyper = FedAvgHyper
 
-    def objective(self, data_loss, params, aux):
-        return data_loss(params)
+    def objective(self):
+        return data_objective
 
     def client_update(self, trainer, payload, state):
         k = len(trainer.client_ids)
         start = broadcast(payload["global"], k)
-        trained = trainer.fit(start, self.objective, aux=start)
+        trained = trainer.fit(start, self.objective(), aux=start)
         return {"params": trained}, state
 
     def aggregate(self, server, messages, weights):

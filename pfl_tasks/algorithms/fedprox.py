@@ -11,6 +11,7 @@ from typing import Annotated
 
 from pydantic import Field
 
+from pfl_tasks.algorithms.base import proximal
 from pfl_tasks.algorithms.fedavg import FedAvg, FedAvgHyper
 from pfl_tasks.algorithms.registry import register
 
@@ -25,6 +26,5 @@ class FedProx(FedAvg):
     citation = "Li et al., MLSys 2020"
     Hyper = FedProxHyper
 
-    def objective(self, data_loss, params, anchor):
-        prox = sum(((params[k] - anchor[k]) ** 2).sum() for k in anchor)
-        return data_loss(params) + 0.5 * self.hp.mu * prox
+    def objective(self):
+        return proximal(self.hp.mu)

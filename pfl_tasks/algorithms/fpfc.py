@@ -24,8 +24,7 @@ from typing import Annotated
 import torch
 from pydantic import Field, model_validator
 
-from pfl_tasks.algorithms.base import Algorithm, HyperParams
-from pfl_tasks.algorithms.ditto import proximal
+from pfl_tasks.algorithms.base import Algorithm, HyperParams, proximal
 from pfl_tasks.algorithms.registry import register
 from pfl_tasks.engine.state import gather, replicate
 
