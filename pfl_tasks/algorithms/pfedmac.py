@@ -20,10 +20,10 @@ import torch
 from pydantic import Field
 from torch.func import grad
 
-from pfl_tasks.algorithms.base import Algorithm, HyperParams
-from pfl_tasks.algorithms.pfedme import smooth
+from pfl_tasks.algorithms.base import HyperParams
+from pfl_tasks.algorithms.pfedme import PFedMe
 from pfl_tasks.algorithms.registry import register
-from pfl_tasks.engine.state import broadcast, replicate
+from pfl_tasks.engine.state import broadcast
 
 
 class PFedMacHyper(HyperParams):
@@ -39,13 +39,12 @@ def soft_threshold(x: torch.Tensor, tau: float) -> torch.Tensor:
 
 
 @register
-class PFedMac(Algorithm):
+class PFedMac(PFedMe):
+    """Shares pFedMe's personal-model state, beta-smoothing server rule and views."""
+
     name = "pfedmac"
     citation = "Li et al., arXiv:2107.05330"
     Hyper = PFedMacHyper
-
-    def init_clients(self, params, n_clients):
-        return {"personal": replicate(params, n_clients)}
 
     def client_update(self, trainer, payload, state):
         hp, eta = self.hp, trainer.local.optimizer.lr
@@ -68,9 +67,3 @@ class PFedMac(Algorithm):
         start = {"theta": broadcast(payload["global"], len(trainer.client_ids)), "personal": state["personal"]}
         out = trainer.scan(start, step)
         return {"params": out["theta"]}, {"personal": out["personal"]}
-
-    def aggregate(self, server, messages, weights):
-        return {"global": smooth(server["global"], messages["params"], self.hp.beta)}
-
-    def personalized(self, server, state):
-        return state["personal"], True
