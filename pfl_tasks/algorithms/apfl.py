@@ -27,7 +27,7 @@ from torch.func import grad
 
 from pfl_tasks.algorithms.base import Algorithm, HyperParams
 from pfl_tasks.algorithms.registry import register
-from pfl_tasks.engine.state import broadcast, replicate
+from pfl_tasks.engine.state import broadcast, per_row, replicate
 
 
 class APFLHyper(HyperParams):
@@ -86,9 +86,8 @@ class APFL(Algorithm):
         gap = weight_sum - state["seen_weight"]
 
         def add(mix_sum, v, g, seen):
-            alpha = state["alpha"].view(-1, *[1] * (v.dim() - 1))
-            rows = gap.view(-1, *[1] * (v.dim() - 1))
-            return mix_sum + alpha * v * rows + (1 - alpha) * (g - seen)
+            alpha = per_row(state["alpha"], v)
+            return mix_sum + alpha * v * per_row(gap, v) + (1 - alpha) * (g - seen)
 
         return {k: add(state["mix_sum"][k], v, global_sum[k], state["seen_global"][k])
                 for k, v in state["local"].items()}
@@ -138,7 +137,7 @@ class APFL(Algorithm):
             return {k: v / server["weight_sum"] for k, v in total.items()}, True
 
         def mix(v, theta):
-            alpha = state["alpha"].view(-1, *[1] * (v.dim() - 1))
+            alpha = per_row(state["alpha"], v)
             return alpha * v + (1 - alpha) * theta
 
         return {k: mix(v, server["global"][k]) for k, v in state["local"].items()}, True

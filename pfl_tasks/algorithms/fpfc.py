@@ -26,7 +26,7 @@ from pydantic import Field, model_validator
 
 from pfl_tasks.algorithms.base import Algorithm, HyperParams, proximal
 from pfl_tasks.algorithms.registry import register
-from pfl_tasks.engine.state import gather, replicate
+from pfl_tasks.engine.state import gather, per_row, replicate
 
 
 class FPFCHyper(HyperParams):
@@ -98,7 +98,7 @@ class FPFC(Algorithm):
         scale = fusion_prox(norm, self.hp)
         theta, dual = {}, {}
         for k, d in delta.items():
-            new = scale.view(-1, *[1] * (d.dim() - 1)) * d
+            new = per_row(scale, d) * d
             theta[k] = server["theta"][k].clone()
             theta[k][live] = new
             dual[k] = server["dual"][k].clone()

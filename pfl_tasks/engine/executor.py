@@ -26,7 +26,7 @@ from torch.func import functional_call, grad, vmap
 from pfl_tasks.config import LocalConfig
 from pfl_tasks.data import ClientSplit
 from pfl_tasks.engine import optim
-from pfl_tasks.engine.state import Params, Stack, Tree, tree_map, tree_zip
+from pfl_tasks.engine.state import Params, Stack, Tree, per_row, tree_map, tree_zip
 
 DataLoss = Callable[[Params], torch.Tensor]
 Objective = Callable[[DataLoss, Params, Tree], torch.Tensor]
@@ -176,17 +176,13 @@ class VectorizedTrainer(LocalTrainer):
             extra = tree_map(lambda t: t[:, s], per_step or {})
             new = stepped(carry, x, y, mask.to(x.dtype), aux or {}, extra)
             active = sched.active[:, s].to(x.device)
-            carry = tree_zip(lambda n, o: torch.where(_rows(active, n), n, o), new, carry)
+            carry = tree_zip(lambda n, o: torch.where(per_row(active, n), n, o), new, carry)
         return carry
 
     def _batch(self, sched: Schedule, s: int):
         device = self.train.x.device
         idx = self.offsets.to(device)[:, None] + sched.index[:, s].to(device)
         return self.train.x[idx], self.train.y[idx], sched.mask[:, s].to(device)
-
-
-def _rows(mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    return mask.reshape(-1, *([1] * (like.dim() - 1)))
 
 
 class SequentialTrainer(LocalTrainer):

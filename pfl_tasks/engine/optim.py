@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from pfl_tasks.config import OptimizerConfig
-from pfl_tasks.engine.state import Params
+from pfl_tasks.engine.state import Params, per_row
 
 
 def init_state(cfg: OptimizerConfig, params: Params) -> dict[str, Params]:
@@ -37,7 +37,7 @@ def step(
         g = grads[name]
         if cfg.weight_decay:
             g = g + cfg.weight_decay * p
-        mask = active.reshape(-1, *([1] * (p.dim() - 1))) if active.dim() else active
+        mask = per_row(active, p) if active.dim() else active
         if cfg.name == "adam":
             b1, b2 = cfg.betas
             m = b1 * state["exp_avg"][name] + (1 - b1) * g

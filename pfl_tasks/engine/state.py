@@ -67,6 +67,11 @@ def to_device(tree: Tree, device: torch.device | str) -> Tree:
     return tree_map(lambda t: t.to(device), tree)
 
 
+def per_row(values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """Per-client values [K] shaped to broadcast against a stack `like` [K, ...]."""
+    return values.reshape(-1, *([1] * (like.dim() - 1)))
+
+
 def tree_bytes(tree: Tree) -> int:
     return sum(
         tree_bytes(v) if isinstance(v, dict) else v.numel() * v.element_size() for v in tree.values()
