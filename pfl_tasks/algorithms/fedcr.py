@@ -86,12 +86,14 @@ class FedCR(Algorithm):
         head_names = set(state["head"])
         head = next(iter(head_names)).split(".")[0]
         n_classes, width = payload["class_mean"].shape
-        steps, batch = trainer.steps_and_batch()
-        noise = torch.stack([
-            torch.randn(steps, batch, width, generator=torch.Generator().manual_seed(
-                client_seed(trainer.seed, trainer.round_idx, int(c), 7)))
-            for c in trainer.client_ids
-        ]).to(payload["class_mean"].device)
+        device = payload["class_mean"].device
+
+        def noise(steps, batch):
+            return {"eps": torch.stack([
+                torch.randn(steps, batch, width, generator=torch.Generator().manual_seed(
+                    client_seed(trainer.seed, trainer.round_idx, int(c), 7)))
+                for c in trainer.client_ids
+            ]).to(device)}
 
         def objective(params, batch_):
             mu, var = self.features(net, params, batch_.x, head_names)
@@ -112,12 +114,12 @@ class FedCR(Algorithm):
                 "count": carry["count"] + onehot.sum(0),
             }
 
-        zeros = torch.zeros(k, n_classes, width, device=noise.device)
+        zeros = torch.zeros(k, n_classes, width, device=device)
         start = {
             "params": {**broadcast(payload["body"], k), **state["head"]},
-            "precision": zeros, "precision_mean": zeros.clone(), "count": torch.zeros(k, n_classes, device=noise.device),
+            "precision": zeros, "precision_mean": zeros.clone(), "count": torch.zeros(k, n_classes, device=device),
         }
-        out = trainer.scan(start, step, per_step={"eps": noise})
+        out = trainer.scan(start, step, per_step=noise)
         count = out["count"].clamp_min(1).unsqueeze(-1)
         trained = out["params"]
         message = {

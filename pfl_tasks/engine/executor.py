@@ -118,17 +118,14 @@ class LocalTrainer(ABC):
 
     @abstractmethod
     def scan(self, carry: Tree, step: Step, aux: Tree | None = None, stream: int = 0,
-             local: LocalConfig | None = None, per_step: Tree | None = None) -> Tree:
+             local: LocalConfig | None = None,
+             per_step: Callable[[int, int], Tree] | None = None) -> Tree:
         """Run `step(carry_k, data_loss, aux_k, batch) -> carry_k` once per local step, each on
         a fresh minibatch, for every client; for algorithms whose local work is not plain
         optimization (nested prox solves, mixtures, custom forward passes). `step` may call
-        `torch.func.grad`. `per_step` tensors [K, S, B, ...] (e.g. noise drawn per client
-        outside `vmap`, so both executors see the same) reach the step as `batch.extra`."""
-
-    def steps_and_batch(self, stream: int = 0, local: LocalConfig | None = None) -> tuple[int, int]:
-        """(S, B): the padded step and batch counts `scan` will use for this chunk."""
-        sched = self.schedule(stream, local or self.local)
-        return sched.index.shape[1], sched.index.shape[2]
+        `torch.func.grad`. `per_step(S, B)` returns tensors [K, S, B, ...] for the chunk's padded
+        step and batch counts (e.g. noise drawn per client outside `vmap`, so both executors see
+        the same); step s gets its slice as `batch.extra`."""
 
     def net_loss(self, params: Params, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return per_sample_loss(self.task, functional_call(self.net, params, (x,)), y)
@@ -161,6 +158,7 @@ class VectorizedTrainer(LocalTrainer):
 
     def scan(self, carry, step, aux=None, stream=0, local=None, per_step=None):
         sched = self.schedule(stream, local or self.local)
+        per_step = per_step(*sched.index.shape[1:]) if per_step else {}
 
         def client_step(c, x, y, mask, a, extra):
             weight = mask / mask.sum()
@@ -173,7 +171,7 @@ class VectorizedTrainer(LocalTrainer):
         stepped = vmap(client_step)
         for s in range(sched.index.shape[1]):
             x, y, mask = self._batch(sched, s)
-            extra = tree_map(lambda t: t[:, s], per_step or {})
+            extra = tree_map(lambda t: t[:, s], per_step)
             new = stepped(carry, x, y, mask.to(x.dtype), aux or {}, extra)
             active = sched.active[:, s].to(x.device)
             carry = tree_zip(lambda n, o: torch.where(per_row(active, n), n, o), new, carry)
@@ -210,13 +208,14 @@ class SequentialTrainer(LocalTrainer):
 
     def scan(self, carry, step, aux=None, stream=0, local=None, per_step=None):
         sched = self.schedule(stream, local or self.local)
+        per_step = per_step(*sched.index.shape[1:]) if per_step else {}
         rows = []
         for i in range(len(self.client_ids)):
             c = tree_map(lambda t: t[i], carry)
             a = tree_map(lambda t: t[i], aux or {})
             for s in range(int(sched.active[i].sum())):
                 x, y = self._batch(sched, i, s)
-                extra = tree_map(lambda t: t[i, s, : len(y)], per_step or {})
+                extra = tree_map(lambda t: t[i, s, : len(y)], per_step)
                 weight = torch.full((len(y),), 1 / len(y), device=x.device)
                 c = step(c, lambda p: self.net_loss(p, x, y).mean(), a, Batch(x, y, weight, extra))
             rows.append(c)
