@@ -116,3 +116,14 @@ def test_vectorized_equals_sequential_for_seed_algorithms(digits6, algorithm):
         b, _ = view(seq.server, seq.clients)
         if a is not None:
             assert_trees_close(a, b)
+
+
+@pytest.mark.parametrize("algorithm,views", [("fedavg", 1), ("ditto", 2), ("local", 1)])
+def test_evaluation_runs_once_per_distinct_view(digits6, algorithm, views):
+    """FedAvg's personalized model is its global one: evaluated once, reported for both."""
+    fed, state = run(digits6, algorithm, "vectorized", rounds=1, hp={})
+    calls, original = [], fed._eval
+    fed._eval = lambda *args: calls.append(1) or original(*args)
+    result = fed.evaluate(state)
+    assert len(calls) == views * len(fed.chunks(torch.arange(6)))
+    assert len(result["personalized"]["acc"]) == 6

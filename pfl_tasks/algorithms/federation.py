@@ -109,14 +109,15 @@ class Federation:
     def evaluate(self, state: RunState) -> dict[str, dict[str, torch.Tensor]]:
         """Per-client test metrics of every client, for the personalized and global models."""
         out: dict[str, list[dict]] = {"personalized": [], "global": []}
-        shared = self.algorithm.global_model(state.server, to_device(state.clients, self.device))
+        view = self.algorithm.global_model(state.server, state.clients)  # clients stay on the CPU
+        shared = None if view is None else to_device(view, self.device)
         for ids in self.chunks(torch.arange(self.n_clients)):
             chunk = to_device(gather(state.clients, ids), self.device)
             params, stacked = self.algorithm.personalized(state.server, chunk)
             personal = self._eval(ids, params, stacked)
             out["personalized"].append(personal)
             if shared is not None:  # no personalization (e.g. FedAvg): the same numbers
-                out["global"].append(personal if params is shared else self._eval(ids, shared, False))
+                out["global"].append(personal if params is view else self._eval(ids, shared, False))
         return {kind: concat(parts) for kind, parts in out.items() if parts}
 
     def _eval(self, ids, params, stacked) -> dict[str, torch.Tensor]:
