@@ -20,7 +20,7 @@ import torch
 from pydantic import BaseModel, ConfigDict
 
 from pfl_tasks.engine.executor import LocalTrainer
-from pfl_tasks.engine.state import Params, Tree
+from pfl_tasks.engine.state import Params, Tree, replicate
 
 
 def proximal(mu: float):
@@ -30,6 +30,16 @@ def proximal(mu: float):
         return data_loss(params) + 0.5 * mu * sum(((params[k] - anchor[k]) ** 2).sum() for k in anchor)
 
     return objective
+
+
+class PersonalModels:
+    """Mixin: every client keeps a full personal model, the one it is evaluated with."""
+
+    def init_clients(self, params: Params, n_clients: int) -> Tree:
+        return {"personal": replicate(params, n_clients)}
+
+    def personalized(self, server: Tree, state: Tree) -> tuple[Params, bool]:
+        return state["personal"], True
 
 
 class HyperParams(BaseModel):

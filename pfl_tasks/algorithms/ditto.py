@@ -14,10 +14,10 @@ from typing import Annotated
 
 from pydantic import Field
 
-from pfl_tasks.algorithms.base import proximal
+from pfl_tasks.algorithms.base import PersonalModels, proximal
 from pfl_tasks.algorithms.fedavg import FedAvg, FedAvgHyper
 from pfl_tasks.algorithms.registry import register
-from pfl_tasks.engine.state import broadcast, replicate
+from pfl_tasks.engine.state import broadcast
 
 
 class DittoHyper(FedAvgHyper):
@@ -25,19 +25,13 @@ class DittoHyper(FedAvgHyper):
 
 
 @register
-class Ditto(FedAvg):
+class Ditto(PersonalModels, FedAvg):
     name = "ditto"
     citation = "Li et al., ICML 2021"
     Hyper = DittoHyper
-
-    def init_clients(self, params, n_clients):
-        return {"personal": replicate(params, n_clients)}
 
     def client_update(self, trainer, payload, state):
         start = broadcast(payload["global"], len(trainer.client_ids))
         global_k = trainer.fit(start)
         personal = trainer.fit(state["personal"], proximal(self.hp.mu), aux=start, stream=1)
         return {"params": global_k}, {"personal": personal}
-
-    def personalized(self, server, state):
-        return state["personal"], True

@@ -17,9 +17,9 @@ from typing import Annotated
 from pydantic import Field
 from torch.func import grad
 
-from pfl_tasks.algorithms.base import Algorithm, HyperParams
+from pfl_tasks.algorithms.base import Algorithm, HyperParams, PersonalModels, proximal
 from pfl_tasks.algorithms.registry import register
-from pfl_tasks.engine.state import broadcast, replicate
+from pfl_tasks.engine.state import broadcast
 
 
 class PFedMeHyper(HyperParams):
@@ -35,25 +35,19 @@ def smooth(theta, messages, beta):
 
 
 @register
-class PFedMe(Algorithm):
+class PFedMe(PersonalModels, Algorithm):
     name = "pfedme"
     citation = "Dinh et al., NeurIPS 2020"
     Hyper = PFedMeHyper
 
-    def init_clients(self, params, n_clients):
-        return {"personal": replicate(params, n_clients)}
-
     def client_update(self, trainer, payload, state):
         hp, eta = self.hp, trainer.local.optimizer.lr
+        prox = proximal(hp.lam)
 
         def step(carry, data_loss, aux, batch):
             omega, theta = carry["omega"], carry["personal"]
-
-            def prox_objective(p):
-                return data_loss(p) + 0.5 * hp.lam * sum(((p[k] - omega[k]) ** 2).sum() for k in p)
-
             for _ in range(hp.inner_steps):
-                g = grad(prox_objective)(theta)
+                g = grad(lambda p: prox(data_loss, p, omega))(theta)
                 theta = {k: theta[k] - hp.personal_lr * g[k] for k in theta}
             omega = {k: omega[k] - eta * hp.lam * (omega[k] - theta[k]) for k in omega}
             return {"omega": omega, "personal": theta}
@@ -64,6 +58,3 @@ class PFedMe(Algorithm):
 
     def aggregate(self, server, messages, weights):
         return {"global": smooth(server["global"], messages["params"], self.hp.beta)}
-
-    def personalized(self, server, state):
-        return state["personal"], True
