@@ -14,6 +14,7 @@ import flows  # noqa: F401  (environment defaults)
 from pfl_tasks.config import ConfigError, load_params
 from pfl_tasks.data import DataValidationError, build_partition, write_partition
 from pfl_tasks.data.partition import PartitionError
+from pfl_tasks.data.sources import SourceError
 
 PARTITIONS = Path("data/partitions")
 
@@ -38,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         prepare(args.dataset, args.params)
-    except (ConfigError, DataValidationError, PartitionError) as err:
+    except (ConfigError, DataValidationError, PartitionError, SourceError) as err:
         print(f"prepare failed: {err}", file=sys.stderr)
         return 2
     return 0

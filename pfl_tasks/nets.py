@@ -1,5 +1,6 @@
-"""Nets, written so `torch.func.vmap` works over them: no BatchNorm running stats,
-no in-place ops on captured tensors. The engine only uses them through `functional_call`."""
+"""Nets, written so `torch.func.vmap` works over them: no BatchNorm running stats, no fused
+cuDNN RNNs, no in-place ops on captured tensors. The engine only uses them through
+`functional_call`."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import math
 import torch
 from torch import nn
 
-from pfl_tasks.config import CNNNet, LinearNet, MLPNet
+from pfl_tasks.config import CNNNet, LinearNet, LSTMNet, MLPNet
 
 
 def build_net(cfg, feature_shape: tuple[int, ...], n_outputs: int) -> nn.Module:
@@ -23,6 +24,8 @@ def build_net(cfg, feature_shape: tuple[int, ...], n_outputs: int) -> nn.Module:
         return nn.Sequential(*layers, nn.Linear(n_in, n_outputs))
     if isinstance(cfg, CNNNet):
         return _cnn(cfg, feature_shape, n_outputs)
+    if isinstance(cfg, LSTMNet):
+        return _lstm(cfg, feature_shape, n_outputs)
     raise TypeError(f"unknown net config {cfg!r}")
 
 
@@ -43,6 +46,55 @@ def _cnn(cfg: CNNNet, feature_shape: tuple[int, ...], n_outputs: int) -> nn.Modu
     return nn.Sequential(
         *body, nn.Linear(n_flat, cfg.hidden), nn.ReLU(), nn.Linear(cfg.hidden, n_outputs)
     )
+
+
+def _lstm(cfg: LSTMNet, feature_shape: tuple[int, ...], n_outputs: int) -> nn.Module:
+    if len(feature_shape) != 1:
+        raise ValueError(
+            f"lstm needs a lag window [window] as features, got shape {list(feature_shape)}"
+        )
+    return nn.Sequential(
+        nn.Unflatten(1, (feature_shape[0], 1)),  # [B, window] -> [B, window, 1]: a scalar per step
+        UnrolledLSTM(1, cfg.hidden, cfg.layers),
+        nn.Linear(cfg.hidden, n_outputs),
+    )
+
+
+class UnrolledLSTM(nn.Module):
+    """nn.LSTM (batch_first) with its equations, parameter names, shapes and init, unrolled
+    over time in plain tensor ops so `torch.func.vmap` works over it (the fused kernel does
+    not). Maps [B, T, n_in] to the last layer's hidden state at the last step, [B, hidden]."""
+
+    GATE_PARAMS = ("weight_ih", "weight_hh", "bias_ih", "bias_hh")
+
+    def __init__(self, n_in: int, hidden: int, layers: int):
+        super().__init__()
+        self.hidden, self.layers = hidden, layers
+        for k in range(layers):
+            width = n_in if k == 0 else hidden
+            shapes = ((4 * hidden, width), (4 * hidden, hidden), (4 * hidden,), (4 * hidden,))
+            for name, shape in zip(self.GATE_PARAMS, shapes):
+                self.register_parameter(f"{name}_l{k}", nn.Parameter(torch.empty(shape)))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        bound = 1 / math.sqrt(self.hidden)
+        for p in self.parameters():
+            nn.init.uniform_(p, -bound, bound)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for k in range(self.layers):
+            w_ih, w_hh, b_ih, b_hh = (getattr(self, f"{name}_l{k}") for name in self.GATE_PARAMS)
+            x_gates = nn.functional.linear(x, w_ih, b_ih)  # every step's input term at once
+            h = c = x.new_zeros(x.shape[0], self.hidden)
+            steps = []
+            for t in range(x.shape[1]):  # gates in nn.LSTM's order: input, forget, cell, output
+                i, f, g, o = (x_gates[:, t] + nn.functional.linear(h, w_hh, b_hh)).chunk(4, -1)
+                c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+                h = torch.sigmoid(o) * torch.tanh(c)
+                steps.append(h)
+            x = torch.stack(steps, dim=1)
+        return h
 
 
 def init_params(net: nn.Module, seed: int) -> dict[str, torch.Tensor]:

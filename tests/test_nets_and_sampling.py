@@ -5,9 +5,9 @@ from torch.func import functional_call, grad, vmap
 from conftest import tiny_params
 from pfl_tasks.algorithms import build
 from pfl_tasks.algorithms.federation import Federation
-from pfl_tasks.config import CNNNet, LinearNet, MLPNet, parse_params
+from pfl_tasks.config import CNNNet, LinearNet, LSTMNet, MLPNet, parse_params
 from pfl_tasks.engine.state import replicate
-from pfl_tasks.nets import build_net, init_params
+from pfl_tasks.nets import UnrolledLSTM, build_net, head_keys, init_params
 
 
 @pytest.mark.parametrize("cfg,shape", [
@@ -15,6 +15,7 @@ from pfl_tasks.nets import build_net, init_params
     (CNNNet(kind="cnn", channels=[8, 16, 16]), (1, 28, 28)),
     (MLPNet(kind="mlp", hidden=[20, 10]), (1, 28, 28)),
     (LinearNet(kind="linear"), (60,)),
+    (LSTMNet(kind="lstm"), (7,)),
 ])
 def test_nets_vmap_over_stacked_clients(cfg, shape):
     net = build_net(cfg, shape, 10)
@@ -30,6 +31,31 @@ def test_nets_vmap_over_stacked_clients(cfg, shape):
         single = grad(loss)({n: v[k] for n, v in stack.items()}, x[k], y[k])
         for name in stack:
             torch.testing.assert_close(grads[name][k], single[name], atol=1e-5, rtol=1e-4)
+
+
+def test_lstm_matches_torch_lstm_with_a_linear_head():
+    net = build_net(LSTMNet(kind="lstm", hidden=12, layers=2), (7,), 1)
+    reference = torch.nn.LSTM(1, 12, num_layers=2, batch_first=True)
+    net[1].load_state_dict(reference.state_dict())  # same parameter names and shapes
+    x = torch.randn(5, 7)
+    hidden, _ = reference(x.unsqueeze(-1))
+    torch.testing.assert_close(net(x), net[2](hidden[:, -1]))
+    assert head_keys(dict(net.named_parameters())) == {"2.weight", "2.bias"}
+    torch.manual_seed(3)
+    torch_init = torch.nn.LSTM(1, 12, num_layers=2).state_dict()
+    torch.manual_seed(3)
+    own_init = UnrolledLSTM(1, 12, 2).state_dict()
+    assert all(torch.equal(torch_init[k], own_init[k]) for k in torch_init)
+
+
+def test_lstm_vmaps_over_clients_with_their_own_params():
+    net = build_net(LSTMNet(kind="lstm"), (7,), 1)
+    params = [init_params(net, seed) for seed in range(3)]
+    stack = {name: torch.stack([p[name] for p in params]) for name in params[0]}
+    x = torch.randn(3, 4, 7)
+    out = vmap(lambda p, xb: functional_call(net, p, (xb,)))(stack, x)
+    for k in range(3):
+        torch.testing.assert_close(out[k], functional_call(net, params[k], (x[k],)))
 
 
 def test_init_params_is_seeded_and_leaves_global_rng_alone():

@@ -1,10 +1,14 @@
-"""Partitioners assign every sample to exactly one client, then split each client train/test."""
+"""Partitioners assign every sample to exactly one client, then split each client train/test;
+standardized sources are then scaled by their train part only."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import numpy as np
 
 from pfl_tasks.config import (
+    DatasetConfig,
     DirichletPartition,
     IIDPartition,
     NaturalPartition,
@@ -98,6 +102,50 @@ def shards(
         for k, part in zip(ks, np.array_split(idx, len(ks))):
             client[part] = k
     return client
+
+
+def split_clients(
+    data: RawDataset, client: np.ndarray, cfg: DatasetConfig, rng: np.random.Generator
+) -> np.ndarray:
+    """Boolean mask of test samples, by `cfg.split`."""
+    if cfg.split == "random":
+        stratify = data.task == "classification"
+        return split_train_test(client, data.labels, cfg.test_fraction, stratify, rng)
+    if not data.ordered:
+        raise PartitionError(
+            f"split 'chronological' needs a source whose samples are in time order (chicago), "
+            f"not '{cfg.source.name}'"
+        )
+    return chronological_split(client, cfg.test_fraction)
+
+
+def chronological_split(client: np.ndarray, test_fraction: float) -> np.ndarray:
+    """Boolean mask of test samples: each client's last round(test_fraction * n) samples in
+    source order, and at least one train and one test sample for every client with two or more."""
+    is_test = np.zeros(len(client), dtype=bool)
+    for k in np.unique(client):
+        idx = np.flatnonzero(client == k)
+        n_test = min(max(round(test_fraction * len(idx)), 1), len(idx) - 1)
+        is_test[idx[len(idx) - n_test:]] = True
+    return is_test
+
+
+def standardize_by_train(data: RawDataset, is_test: np.ndarray) -> tuple[RawDataset, list[dict]]:
+    """Each group's features and targets scaled by the mean/std of its train targets, so no test
+    value shapes the scale; also each group's {mean, std}, to turn MSE back into data units."""
+    features, labels = data.features.astype(np.float64), data.labels.astype(np.float64)
+    scale = []
+    for g in np.unique(data.groups):
+        mine = data.groups == g
+        train = labels[mine & ~is_test]
+        mean, std = train.mean(), train.std()
+        if not std > 0:
+            raise PartitionError(f"cannot standardize group {g}: its train targets are constant")
+        features[mine] = (features[mine] - mean) / std
+        labels[mine] = (labels[mine] - mean) / std
+        scale.append({"mean": float(mean), "std": float(std)})
+    scaled = replace(data, features=features.astype(np.float32), labels=labels.astype(np.float32))
+    return scaled, scale
 
 
 def split_train_test(

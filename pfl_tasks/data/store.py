@@ -14,7 +14,7 @@ import pandas as pd
 import torch
 
 from pfl_tasks.config import DatasetConfig, config_hash
-from pfl_tasks.data.partition import assign_clients, split_train_test
+from pfl_tasks.data.partition import assign_clients, split_clients, standardize_by_train
 from pfl_tasks.data.schema import DataValidationError, validate_partition
 from pfl_tasks.data.sources import RawDataset, load_source
 
@@ -23,13 +23,14 @@ MANIFEST = "manifest.json"
 
 
 def build_partition(name: str, cfg: DatasetConfig, seed: int) -> tuple[pd.DataFrame, dict]:
-    """The partition table (rows grouped by client) and its manifest."""
+    """The partition table (rows grouped by client, each in source order) and its manifest."""
     rng = np.random.default_rng([seed, _stable_int(name)])
     data = load_source(cfg.source, rng)
     client = assign_clients(data, cfg.partition, rng)
-    is_test = split_train_test(
-        client, data.labels, cfg.test_fraction, data.task == "classification", rng
-    )
+    is_test = split_clients(data, client, cfg, rng)
+    scale = None
+    if data.standardize:
+        data, scale = standardize_by_train(data, is_test)
     n = len(data.labels)
     flat = data.features.reshape(n, -1)
     df = pd.DataFrame(flat, columns=[f"f{i}" for i in range(flat.shape[1])])
@@ -50,6 +51,7 @@ def build_partition(name: str, cfg: DatasetConfig, seed: int) -> tuple[pd.DataFr
         "feature_shape": list(data.feature_shape),
         "n_clients": n_clients,
         "clients": _client_summary(df, data),
+        "group_scale": scale,  # standardized sources: each group's train {mean, std}
     }
     return df, manifest
 
