@@ -107,7 +107,10 @@ def test_epochs_budget_gives_each_client_its_own_step_count():
     assert sched.active.sum(1).tolist() == [2, 6]  # 2 * ceil(n / min(16, n))
 
 
-@pytest.mark.parametrize("algorithm", ["ditto", "feddyn", "fedper", "fedrep", "pfedme", "pfedmac", "apfl", "l2sgd", "fpfc", "fedcr"])
+@pytest.mark.parametrize("algorithm", [
+    "ditto", "feddyn", "fedper", "fedrep", "pfedme", "pfedmac", "apfl", "l2sgd", "fpfc", "fedcr",
+    "fedavg_ft", "fedprox_ft", "knnper", "cfl", "lp_proj",
+])
 def test_vectorized_equals_sequential_for_seed_algorithms(digits6, algorithm):
     fed, vec = run(digits6, algorithm, "vectorized", hp={"feddyn": {"alpha": 0.1}}.get(algorithm, {}))
     _, seq = run(digits6, algorithm, "sequential", hp={"feddyn": {"alpha": 0.1}}.get(algorithm, {}))

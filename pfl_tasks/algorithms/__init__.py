@@ -2,16 +2,20 @@
 
 from pfl_tasks.algorithms import (  # noqa: F401  (registration)
     apfl,
+    cfl,
     ditto,
     fedavg,
+    fedavg_ft,
     fedcr,
     feddyn,
     fedper,
     fedprox,
     fedrep,
     fpfc,
+    knnper,
     l2sgd,
     local,
+    lp_proj,
     pfedmac,
     pfedme,
 )

@@ -7,6 +7,9 @@ Per round the engine calls, in order:
   aggregate(server, messages, weights)  -> new server state (the algorithm's own rule)
 and for evaluation of every client:
   personalized(server, state)           -> the model each client uses
+  personalize(trainer, server, state)   -> what is evaluated (default: `personalized`; methods
+                                           that adapt at evaluation time use the chunk's trainer)
+  forward(net, params, x)               -> the evaluation forward pass of that personalized view
   global_model(server, clients)         -> the shared model, or None if there is none
 Server state is a tree of tensors; client state is a tree of stacks with one row per client.
 """
@@ -18,9 +21,13 @@ from typing import ClassVar
 
 import torch
 from pydantic import BaseModel, ConfigDict
+from torch import nn
+from torch.func import functional_call
 
 from pfl_tasks.engine.executor import LocalTrainer
 from pfl_tasks.engine.state import Params, Tree, replicate
+
+EVAL_STREAM = 0xE7A1  # minibatch stream of evaluation-time local work; no training fit uses it
 
 
 def proximal(mu: float):
@@ -82,6 +89,16 @@ class Algorithm(ABC):
     def personalized(self, server: Tree, state: Tree) -> tuple[Params, bool]:
         """(params, stacked): a stack [K, ...] of per-client models, or one shared model."""
         return server["global"], False
+
+    def personalize(self, trainer: LocalTrainer, server: Tree, state: Tree) -> tuple[Tree, bool]:
+        """What a chunk is evaluated with, as `personalized`; `trainer` holds the chunk's training
+        data, for local work at evaluation time (its fits use `stream=EVAL_STREAM`)."""
+        return self.personalized(server, state)
+
+    def forward(self, net: nn.Module, params: Tree, x: torch.Tensor) -> torch.Tensor:
+        """One client's evaluation outputs for the personalized view (logits or log-probabilities,
+        or predictions); `params` is that client's slice of what `personalize` returned."""
+        return functional_call(net, params, (x,))
 
     def global_model(self, server: Tree, clients: Tree) -> Params | None:
         """`clients` is every client's state, for views a simulator can form for evaluation

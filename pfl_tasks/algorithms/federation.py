@@ -112,16 +112,27 @@ class Federation:
         view = self.algorithm.global_model(state.server, state.clients)  # clients stay on the CPU
         shared = None if view is None else to_device(view, self.device)
         for ids in self.chunks(torch.arange(self.n_clients)):
-            chunk = to_device(gather(state.clients, ids), self.device)
-            params, stacked = self.algorithm.personalized(state.server, chunk)
-            personal = self._eval(ids, params, stacked)
+            params, stacked = self.personalized_models(state, ids)
+            personal = self._eval(ids, params, stacked, self.algorithm.forward)
             out["personalized"].append(personal)
             if shared is not None:  # no personalization (e.g. FedAvg): the same numbers
                 out["global"].append(personal if params is view else self._eval(ids, shared, False))
         return {kind: concat(parts) for kind, parts in out.items() if parts}
 
-    def _eval(self, ids, params, stacked) -> dict[str, torch.Tensor]:
-        return evaluate_clients(self.fresh_net(), self.task, self.test, ids.to(self.device), params, stacked)
+    def personalized_models(self, state: RunState, ids: torch.Tensor) -> tuple[Tree, bool]:
+        """What clients `ids` are evaluated with. Local work at evaluation time (fine-tuning,
+        datastores) sees the chunk's training data through a trainer of round `state.round`."""
+        trainer = make_trainer(
+            self.exp.engine.executor, self.fresh_net(), self.task, self.train, ids, self.exp.local,
+            self.exp.seed, state.round,
+        )
+        chunk = to_device(gather(state.clients, ids), self.device)
+        return self.algorithm.personalize(trainer, state.server, chunk)
+
+    def _eval(self, ids, params, stacked, forward=None) -> dict[str, torch.Tensor]:
+        return evaluate_clients(
+            self.fresh_net(), self.task, self.test, ids.to(self.device), params, stacked, forward
+        )
 
 
 def _split_to(split, device):

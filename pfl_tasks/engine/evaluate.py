@@ -4,6 +4,7 @@ fairness aggregates over clients (mean, sample-weighted mean, std, worst-10% mea
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -11,29 +12,30 @@ from torch.func import functional_call, vmap
 
 from pfl_tasks.data import ClientSplit
 from pfl_tasks.engine.executor import per_sample_loss
-from pfl_tasks.engine.state import Params
+from pfl_tasks.engine.state import Tree
 
 SAMPLE_BLOCK = 512  # test rows per client per forward pass: bounds memory for big clients
 
 
 @torch.no_grad()
 def evaluate_clients(
-    net: nn.Module, task: str, test: ClientSplit, client_ids: torch.Tensor, params: Params,
-    stacked: bool,
+    net: nn.Module, task: str, test: ClientSplit, client_ids: torch.Tensor, params: Tree,
+    stacked: bool, forward: Callable[[nn.Module, Tree, torch.Tensor], torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Per-client test metrics for `client_ids`, as tensors [K]: n, and loss and accuracy
-    (classification) or mse (regression). `params` is a stack [K, ...] or one shared model."""
-    device = next(iter(params.values())).device
+    (classification) or mse (regression). `params` is a stack [K, ...] or one shared model;
+    `forward(net, params, x)` gives one client's outputs (default: the net itself)."""
+    device = test.x.device
     offsets = test.offsets[client_ids].to(device)
     counts = test.counts[client_ids].to(device)
     k = len(client_ids)
     loss_sum = torch.zeros(k, device=device)
     correct = torch.zeros(k, device=device)
 
-    def forward(p, x):
-        return functional_call(net, p, (x,))
+    def client_outputs(p, x):
+        return forward(net, p, x) if forward else functional_call(net, p, (x,))
 
-    batched = vmap(forward, in_dims=(0 if stacked else None, 0))
+    batched = vmap(client_outputs, in_dims=(0 if stacked else None, 0))
     for start in range(0, int(counts.max()), SAMPLE_BLOCK):
         pos = torch.arange(start, start + SAMPLE_BLOCK, device=device)[None, :]
         width = min(SAMPLE_BLOCK, int(counts.max()) - start)

@@ -1,0 +1,97 @@
+"""kNN-Per: a FedAvg global model, personalized at evaluation by interpolating its predictions
+with a k-nearest-neighbours model over the client's own training data.
+
+Marfoq, Neglia, Kameni, Vidal, "Personalized Federated Learning through Local Memorization",
+ICML 2022. Training is FedAvg. At evaluation every client builds a datastore of (phi(x_j), y_j)
+over all its training samples (full capacity), phi = the global model's body (every layer but
+the head, `nets.head_keys`), and predicts
+    p(y|x) = lam p_kNN(y|x) + (1 - lam) p_global(y|x),
+    p_kNN(y|x) = sum_{j in kNN(x)} 1[y_j = y] exp(-d_j / T) / sum_{j in kNN(x)} exp(-d_j / T),
+over the k nearest neighbours of phi(x). k = 10 (the paper). [choice] d_j is the squared
+Euclidean distance and T defaults to the embedding dimension, as in the authors' code (faiss
+IndexFlatL2 returns squared distances; the kernel is exp(-d / (dim * scale)), scale = 1).
+[choice] lam = 0.5: the paper picks lam per client on held-out data from a grid.
+`forward` returns log p, so the cross-entropy and accuracy metrics stay right; datastores are
+padded to the chunk's largest client and masked. Classification only. The global model
+evaluated is the FedAvg model itself.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated
+
+import torch
+from pydantic import Field
+from torch.func import functional_call
+
+from pfl_tasks.algorithms.fedavg import FedAvg, FedAvgHyper
+from pfl_tasks.algorithms.registry import register
+from pfl_tasks.engine.state import broadcast
+from pfl_tasks.nets import head_keys
+
+EMBED_BLOCK = 4096  # training rows embedded per forward pass when building datastores
+
+
+class KNNPerHyper(FedAvgHyper):
+    k: Annotated[int, Field(gt=0)] = 10
+    lam: Annotated[float, Field(ge=0, le=1)] = 0.5
+    temperature: Annotated[float, Field(gt=0)] | None = None  # None: the embedding dimension
+
+
+def split_net(net, params):
+    """(body, body params, head, head params) of one of `nets`' Sequential nets."""
+    head = head_keys(params)
+    cut = int(next(iter(head)).split(".", 1)[0])
+    body_params = {k: v for k, v in params.items() if k not in head}
+    return net[:cut], body_params, net[cut:], {k: params[k] for k in head}
+
+
+def knn_probs(query, keys, labels, mask, k: int, temperature: float, n_classes: int):
+    """p_kNN [B, C] of embeddings `query` [B, e] over one datastore (`keys` [N, e], `labels`
+    [N], `mask` [N] false on padding)."""
+    dist = (query**2).sum(-1, keepdim=True) - 2 * query @ keys.T + (keys**2).sum(-1)
+    dist = dist.clamp_min(0).masked_fill(~mask, math.inf)
+    near, index = torch.topk(dist, min(k, keys.shape[0]), largest=False)
+    weight = torch.softmax(-near / temperature, -1)
+    votes = labels[index][..., None] == torch.arange(n_classes, device=labels.device)
+    return (weight[..., None] * votes).sum(-2)
+
+
+def require_classification(task: str) -> None:
+    if task != "classification":
+        raise ValueError(f"knnper predicts labels from a kNN: it needs classification data, not {task}")
+
+
+@register
+class KNNPer(FedAvg):
+    name = "knnper"
+    citation = "Marfoq et al., ICML 2022"
+    Hyper = KNNPerHyper
+
+    def client_update(self, trainer, payload, state):
+        require_classification(trainer.task)
+        return super().client_update(trainer, payload, state)
+
+    def personalize(self, trainer, server, state):
+        """The global model and, per client, its datastore of training embeddings."""
+        require_classification(trainer.task)
+        model, counts = server["global"], trainer.counts
+        body, body_params, _, _ = split_net(trainer.net, model)
+        position = torch.arange(int(counts.max()), device=counts.device)
+        mask = position < counts[:, None]
+        rows = trainer.offsets[:, None] + position * mask  # padding repeats the first row
+        x = trainer.train.x[rows.flatten()]
+        keys = torch.cat([functional_call(body, body_params, (part,)) for part in x.split(EMBED_BLOCK)])
+        store = {"keys": keys.view(*rows.shape, -1), "labels": trainer.train.y[rows], "mask": mask}
+        return {"model": broadcast(model, len(counts)), "store": store}, True
+
+    def forward(self, net, params, x):
+        body, body_params, head, head_params = split_net(net, params["model"])
+        embedding = functional_call(body, body_params, (x,))
+        logits = functional_call(head, head_params, (embedding,))
+        store, hp = params["store"], self.hp
+        p_knn = knn_probs(embedding, store["keys"], store["labels"], store["mask"], hp.k,
+                          hp.temperature or embedding.shape[-1], logits.shape[-1])
+        lam = logits.new_tensor(hp.lam)
+        return torch.logaddexp(lam.log() + p_knn.log(), (1 - lam).log() + logits.log_softmax(-1))
