@@ -52,11 +52,11 @@ class RunPaths:
     curve: Path
 
     @classmethod
-    def of(cls, root: Path, experiment: str, run_name: str) -> RunPaths:
+    def of(cls, root: Path, experiment: str, run_name: str, seed: int) -> RunPaths:
         return cls(
-            checkpoint=root / "models" / experiment / run_name / "checkpoint.pt",
-            metrics=root / "metrics" / experiment / f"{run_name}.json",
-            curve=root / "plots" / experiment / f"{run_name}.csv",
+            checkpoint=root / "models" / experiment / run_name / f"seed-{seed}" / "checkpoint.pt",
+            metrics=root / "metrics" / experiment / run_name / f"seed-{seed}.json",
+            curve=root / "plots" / experiment / run_name / f"seed-{seed}.csv",
         )
 
 
@@ -146,7 +146,7 @@ def run_identity(exp: ResolvedExperiment, run_name: str, raw_hp: dict, data_hash
     `federation.rounds` is left out (a longer run continues a shorter one), and so is the
     engine (resume on another device or executor)."""
     config = {
-        "experiment": exp.model_dump(mode="json", exclude={"engine", "algorithms"}),
+        "experiment": exp.model_dump(mode="json", exclude={"engine", "algorithms", "seeds"}),
         "algorithm": raw_hp,
         "data": data_hash,
         "code": source_hash(),
@@ -190,7 +190,7 @@ def train_run(
 ) -> dict[str, float]:
     data = load_partition(root / PARTITIONS / exp.dataset)
     fed = Federation(exp, build(run_name, raw_hp), data)
-    paths = RunPaths.of(root, exp.name, run_name)
+    paths = RunPaths.of(root, exp.name, run_name, exp.seed)
     identity = run_identity(exp, run_name, raw_hp, data.manifest_hash)
     fedcfg = exp.federation
 
@@ -202,7 +202,7 @@ def train_run(
         history, tables, run_id, comm = ckpt["history"], ckpt["tables"], ckpt["mlflow_run_id"], ckpt["comm"]
         print(f"{exp.name}/{run_name}: resuming from round {state.round}")
 
-    tracker = MlflowRun(tracking_uri, exp.name, run_name, run_id)
+    tracker = MlflowRun(tracking_uri, exp.name, f"{run_name}-seed{exp.seed}", run_id)
     tracker.log_params_and_tags(
         flatten({"experiment": exp.model_dump(mode="json"), "algorithm": raw_hp}),
         {
@@ -250,17 +250,18 @@ def train_run(
     return final
 
 
-@flow(name="pfl-train", flow_run_name="{experiment}-{run_name}", persist_result=False)
+@flow(name="pfl-train", flow_run_name="{experiment}-{run_name}-seed{seed}", persist_result=False)
 def train_flow(
-    experiment: str, run_name: str, params_path: str = "params.yaml", root: str = ".",
+    experiment: str, run_name: str, seed: int, params_path: str = "params.yaml", root: str = ".",
     on_config_change: str = "refuse",
 ) -> dict[str, float]:
     from prefect.runtime import flow_run
 
     params = validate_params(load_params(params_path))
+    exp = params.experiment(experiment).model_copy(update={"seed": seed})
     return train_run(
-        params.experiment(experiment), run_name, params.algorithms[run_name], Path(root),
-        PrefectSteps(), on_config_change, params.tracking.mlflow_uri, str(flow_run.id),
+        exp, run_name, params.algorithms[run_name], Path(root), PrefectSteps(), on_config_change,
+        params.tracking.mlflow_uri, str(flow_run.id),
     )
 
 
@@ -268,21 +269,24 @@ def train_experiment(
     experiment: str, params_path: str = "params.yaml", root: str = ".",
     on_config_change: str = "refuse",
 ) -> dict[str, dict[str, float]]:
-    """Every algorithm of `experiment`, in this one process (one Prefect start)."""
+    """Every algorithm and seed of `experiment`, in this one process (one Prefect start);
+    results keyed by (algorithm, seed)."""
     params = validate_params(load_params(params_path))
     exp = params.experiment(experiment)
     results = {}
     for run_name in exp.algorithms:
-        if exp.engine.orchestrator == "prefect":
-            runner = ThreadPoolTaskRunner(max_workers=exp.engine.max_workers)
-            results[run_name] = train_flow.with_options(task_runner=runner)(
-                experiment, run_name, params_path, root, on_config_change
-            )
-        else:
-            results[run_name] = train_run(
-                exp, run_name, params.algorithms[run_name], Path(root),
-                InlineSteps(exp.engine.max_workers), on_config_change, params.tracking.mlflow_uri,
-            )
+        for seed in exp.seeds:
+            if exp.engine.orchestrator == "prefect":
+                runner = ThreadPoolTaskRunner(max_workers=exp.engine.max_workers)
+                results[run_name, seed] = train_flow.with_options(task_runner=runner)(
+                    experiment, run_name, seed, params_path, root, on_config_change
+                )
+            else:
+                results[run_name, seed] = train_run(
+                    exp.model_copy(update={"seed": seed}), run_name, params.algorithms[run_name],
+                    Path(root), InlineSteps(exp.engine.max_workers), on_config_change,
+                    params.tracking.mlflow_uri,
+                )
     return results
 
 

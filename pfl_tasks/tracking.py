@@ -158,12 +158,18 @@ class MlflowRun:
         self.client.log_batch(self.run_id, params=fresh, tags=[RunTag(k, v) for k, v in tags.items()])
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        self._log([(k, v, step) for k, v in metrics.items()])
+
+    def log_series(self, key: str, values: list[float], first_step: int) -> None:
+        self._log([(key, v, first_step + i) for i, v in enumerate(values)])
+
+    def _log(self, points: list[tuple[str, float, int]]) -> None:
         import time
 
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        batch = [Metric(k, float(v), now, step) for k, v in metrics.items()]
+        batch = [Metric(k, float(v), now, step) for k, v, step in points]
         for i in range(0, len(batch), 1000):  # MLflow's per-call limit
             self.client.log_batch(self.run_id, metrics=batch[i : i + 1000])
 

@@ -46,11 +46,11 @@ def test_resume_after_kill_is_bit_identical(project, tmp_path_factory, algorithm
 
     with pytest.raises(Killed):
         train(project, algorithm, steps=KilledAfter(3))
-    assert load_checkpoint(RunPaths.of(project, "tiny", algorithm).checkpoint, {})["round"] == 3
+    assert load_checkpoint(RunPaths.of(project, "tiny", algorithm, 0).checkpoint, {})["round"] == 3
     resumed = train(project, algorithm)
 
     assert resumed == uninterrupted
-    paths = [RunPaths.of(root, "tiny", algorithm) for root in (other, project)]
+    paths = [RunPaths.of(root, "tiny", algorithm, 0) for root in (other, project)]
     assert paths[0].metrics.read_text() == paths[1].metrics.read_text()
     a, b = (load_checkpoint(p.checkpoint, {}) for p in paths)
     flat_a, flat_b = _leaves({"s": a["server"], "c": a["clients"]}), _leaves({"s": b["server"], "c": b["clients"]})
@@ -71,7 +71,7 @@ def test_checkpoint_of_other_config_is_refused_naming_the_change(project):
 
 def test_longer_run_continues_a_finished_one(project):
     train(project)
-    ckpt = RunPaths.of(project, "tiny", "fedprox").checkpoint
+    ckpt = RunPaths.of(project, "tiny", "fedprox", 0).checkpoint
     params = parse_params(tiny_params(federation={"rounds": 8}))
     final = train_run(params.experiment("tiny"), "fedprox", {"mu": 0.5}, project, InlineSteps(2),
                       "refuse", mlflow_uri(project))
@@ -79,7 +79,7 @@ def test_longer_run_continues_a_finished_one(project):
 
 
 def test_corrupt_checkpoint_is_refused(project):
-    path = RunPaths.of(project, "tiny", "fedprox").checkpoint
+    path = RunPaths.of(project, "tiny", "fedprox", 0).checkpoint
     path.parent.mkdir(parents=True)
     path.write_bytes(b"not a checkpoint at all")
     with pytest.raises(CheckpointError, match="not a readable checkpoint"):
@@ -87,7 +87,7 @@ def test_corrupt_checkpoint_is_refused(project):
 
 
 def test_foreign_checkpoint_is_refused(project):
-    path = RunPaths.of(project, "tiny", "fedprox").checkpoint
+    path = RunPaths.of(project, "tiny", "fedprox", 0).checkpoint
     path.parent.mkdir(parents=True)
     torch.save({"state_dict": {"w": torch.zeros(2)}}, path)
     with pytest.raises(CheckpointError, match="foreign"):
@@ -96,8 +96,8 @@ def test_foreign_checkpoint_is_refused(project):
 
 def test_checkpoint_of_another_algorithm_is_refused(project):
     train(project, "fedavg")
-    src = RunPaths.of(project, "tiny", "fedavg").checkpoint
-    dst = RunPaths.of(project, "tiny", "fedprox").checkpoint
+    src = RunPaths.of(project, "tiny", "fedavg", 0).checkpoint
+    dst = RunPaths.of(project, "tiny", "fedprox", 0).checkpoint
     dst.parent.mkdir(parents=True)
     dst.write_bytes(src.read_bytes())
     with pytest.raises(CheckpointError, match="algorithm='fedavg'"):

@@ -59,10 +59,10 @@ def test_dvc_repro_runs_caches_and_reruns_only_what_changed(repo_copy):
     assert "Running stage 'prepare@digits'" in out and "Running stage 'train@tiny'" in out
     assert (root / "data/partitions/digits/manifest.json").exists()
     for alg in ("local", "fedavg", "fedprox"):
-        assert (root / f"models/tiny/{alg}/checkpoint.pt").exists()
-        final = json.loads((root / f"metrics/tiny/{alg}.json").read_text())
+        assert (root / f"models/tiny/{alg}/seed-0/checkpoint.pt").exists()
+        final = json.loads((root / f"metrics/tiny/{alg}/seed-0.json").read_text())
         assert final["final/round"] == 2 and 0 <= final["final/personalized/acc_mean"] <= 1
-        assert (root / f"plots/tiny/{alg}.csv").exists()
+        assert (root / f"plots/tiny/{alg}/seed-0.csv").exists()
     shown = sh([*dvc, "metrics", "show", "--json"], root, env)
     assert "final/personalized/acc_mean" in shown
 
@@ -74,7 +74,7 @@ def test_dvc_repro_runs_caches_and_reruns_only_what_changed(repo_copy):
     (root / "params.yaml").write_text(yaml.safe_dump(params))
     out = sh([*dvc, "repro"], root, env)
     assert "Running stage 'train@tiny'" in out and "Running stage 'prepare@digits'" not in out
-    assert json.loads((root / "metrics/tiny/fedavg.json").read_text())["final/round"] == 3
+    assert json.loads((root / "metrics/tiny/fedavg/seed-0.json").read_text())["final/round"] == 3
 
 
 def test_dvc_exp_run_with_set_param(repo_copy):

@@ -15,19 +15,21 @@ def test_prefect_flow_runs_rounds_as_tasks_and_logs_to_mlflow(project, prefect_h
     from flows.train import train_experiment
 
     data = tiny_params(algorithms=["local", "fedavg"])
-    data["experiments"]["prefect_e2e"] = data["experiments"].pop("tiny")
+    data["experiments"]["prefect_e2e"] = {**data["experiments"].pop("tiny"), "seeds": [0, 1]}
     data["engine"] = {"orchestrator": "prefect", "device": "cpu", "chunk_size": 4}
     data["federation"] = {"rounds": 2, "eval_every": 1, "checkpoint_every": 2}
     data["tracking"] = {"mlflow_uri": mlflow_uri()}
     (project / "params.yaml").write_text(yaml.safe_dump(data))
 
     results = train_experiment("prefect_e2e", str(project / "params.yaml"), str(project))
-    assert set(results) == {"local", "fedavg"}
+    assert set(results) == {(alg, seed) for alg in ("local", "fedavg") for seed in (0, 1)}
+    assert results["fedavg", 0] != results["fedavg", 1]  # the seed reaches training
 
+    names = {f"prefect_e2e-{alg}-seed{seed}" for alg in ("local", "fedavg") for seed in (0, 1)}
     with get_client(sync_client=True) as client:
         flow_runs = {fr.name: fr for fr in client.read_flow_runs()}
-        assert {"prefect_e2e-local", "prefect_e2e-fedavg"} <= set(flow_runs)
-        assert all(flow_runs[n].state.is_completed() for n in ("prefect_e2e-local", "prefect_e2e-fedavg"))
+        assert names <= set(flow_runs)
+        assert all(flow_runs[n].state.is_completed() for n in names)
         tasks = {t.name for t in client.read_task_runs()}
     for name in ("round-0/sample_clients", "round-0/local_update-chunk-0", "round-0/local_update-chunk-1",
                  "round-0/aggregate", "round-1/evaluate", "round-2/checkpoint"):
@@ -36,18 +38,19 @@ def test_prefect_flow_runs_rounds_as_tasks_and_logs_to_mlflow(project, prefect_h
     mlflow = MlflowClient(mlflow_uri())
     exp = mlflow.get_experiment_by_name("prefect_e2e")
     runs = {r.info.run_name: r for r in mlflow.search_runs([exp.experiment_id])}
-    assert set(runs) == {"local", "fedavg"}
-    fedavg = runs["fedavg"]
+    assert set(runs) == {f"{alg}-seed{seed}" for alg in ("local", "fedavg") for seed in (0, 1)}
+    fedavg = runs["fedavg-seed0"]
     assert fedavg.info.status == "FINISHED"
     assert fedavg.data.tags["algorithm"] == "fedavg" and fedavg.data.tags["prefect_flow_run_id"]
+    assert fedavg.data.tags["seed"] == "0" and runs["fedavg-seed1"].data.tags["seed"] == "1"
     assert fedavg.data.params["experiment.federation.rounds"] == "2"
     metrics = fedavg.data.metrics
     for key in ("final/personalized/acc_mean", "final/global/acc_worst10", "best/personalized/acc_weighted",
                 "personalized/acc_std", "comm/bytes_up"):
         assert key in metrics
-    assert metrics["final/personalized/acc_mean"] == pytest.approx(results["fedavg"]["final/personalized/acc_mean"])
+    assert metrics["final/personalized/acc_mean"] == pytest.approx(results["fedavg", 0]["final/personalized/acc_mean"])
     history = mlflow.get_metric_history(fedavg.info.run_id, "personalized/acc_mean")
     assert sorted(m.step for m in history) == [1, 2]
     artifacts = {a.path for a in mlflow.list_artifacts(fedavg.info.run_id)}
     assert {"clients_last.csv", "clients_best.csv", "learning_curve.png"} <= artifacts
-    assert "final/global/acc_mean" not in runs["local"].data.metrics  # no global model
+    assert "final/global/acc_mean" not in runs["local-seed0"].data.metrics  # no global model

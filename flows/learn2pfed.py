@@ -1,0 +1,231 @@
+"""`learn2pfed` stage: Learn2pFed's meta-parameters trained downstream of an experiment.
+
+For every supervision signal (`train`, `heldout`) and seed of the experiment, one Prefect flow
+run: `problems` (each client's data as stacks; for classification, features from the body of
+the upstream `train` checkpoint named by `features_from`, whose head also starts w), then
+`meta-epochs-A-B` tasks of `meta.checkpoint_every` outer steps, each followed by a checkpoint,
+then `evaluate` on every client's test split.
+
+    python -m flows.learn2pfed <experiment> [--on-config-change refuse|restart|resume]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import flows  # noqa: F401  (environment defaults)
+import torch
+from prefect import flow, task
+from prefect.cache_policies import NO_CACHE
+from torch.func import functional_call
+
+from flows.train import PARTITIONS, RunPaths, resume_point
+from pfl_tasks.algorithms import build, validate_params
+from pfl_tasks.algorithms.learn2pfed import FLOAT_BYTES, Cells
+from pfl_tasks.algorithms.learn2pfed_meta import (
+    evaluate, heldout_rows, make_optimizer, meta_epoch, padded_problem, participation,
+)
+from pfl_tasks.config import ConfigError, Learn2pFedConfig, ResolvedExperiment, config_hash, load_params
+from pfl_tasks.data import DataValidationError, FederatedData, load_partition
+from pfl_tasks.engine.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from pfl_tasks.nets import build_net, head_keys
+from pfl_tasks.tracking import (
+    MlflowRun, final_metrics, flatten, git_commit, per_client_rows, source_hash, summarize_eval,
+    write_csv, write_dvc_outputs,
+)
+
+TASK_OPTIONS = dict(cache_policy=NO_CACHE, persist_result=False)
+
+
+@dataclass(frozen=True)
+class Problems:
+    train: object  # every training row: the final cells fit these
+    fit: object  # rows the cells fit during meta-training
+    supervise: object  # rows the meta loss is taken on
+    test: object
+    w0: torch.Tensor
+    upstream: str  # hash of the upstream checkpoint ("" for regression)
+
+
+def upstream_features(exp: ResolvedExperiment, params, data: FederatedData, run_name: str, root: Path):
+    """(features, w0, hash): the trained body of `run_name`'s checkpoint as a frozen feature
+    map, its head [classes, hidden + 1] flattened as the cells' starting w."""
+    path = RunPaths.of(root, exp.name, run_name, exp.seed).checkpoint
+    if not path.exists():
+        raise CheckpointError(f"{path}: missing; run `dvc repro train@{exp.name}` first")
+    ckpt = load_checkpoint(path, {"experiment": exp.name, "algorithm": run_name})
+    model = build(run_name, params.algorithms[run_name]).global_model(ckpt["server"], ckpt["clients"])
+    head = head_keys(model)
+    body_net = build_net(exp.model, data.feature_shape, data.n_outputs)[:-1]
+    body = {k: v for k, v in model.items() if k not in head}
+
+    @torch.no_grad()
+    def features(x):
+        return torch.cat([functional_call(body_net, body, (part,)) for part in torch.split(x, 1024)])
+
+    weight, bias = (model[k] for k in sorted(head, key=lambda k: k.endswith("bias")))
+    w0 = torch.cat([weight, bias[:, None]], 1).flatten().double()
+    return features, w0, hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+
+
+@task(**TASK_OPTIONS, task_run_name="problems")
+def build_problems(exp, params, cfg: Learn2pFedConfig, supervision: str, root: Path) -> Problems:
+    data = load_partition(root / PARTITIONS / exp.dataset)
+    n_classes = data.n_classes if data.task == "classification" else 0
+    if n_classes:
+        if cfg.features_from is None:
+            raise ConfigError(f"learn2pfed.{exp.name}.features_from: classification needs an upstream algorithm")
+        features, w0, upstream = upstream_features(exp, params, data, cfg.features_from, root)
+    else:
+        def features(x):
+            flat = x.flatten(1)
+            return torch.cat([flat, torch.ones(len(x), 1)], 1) if cfg.bias else flat
+
+        w0, upstream = torch.zeros(features(data.train.x[:1]).shape[1], dtype=torch.float64), ""
+    train = padded_problem(data.train, features, n_classes)
+    if supervision == "train":
+        fit = supervise = train
+    else:
+        held = heldout_rows(data.train, cfg.heldout_fraction, exp.seed)
+        fit = padded_problem(data.train, features, n_classes, ~held)
+        supervise = padded_problem(data.train, features, n_classes, held)
+    return Problems(train, fit, supervise, padded_problem(data.test, features, n_classes), w0, upstream)
+
+
+@task(**TASK_OPTIONS, task_run_name="meta-epochs-{start}-{stop}")
+def meta_epochs(cells, opt, cfg, problems: Problems, start: int, stop: int) -> list[float]:
+    return [meta_epoch(cells, opt, cfg, e, problems.fit, problems.supervise, problems.w0)
+            for e in range(start, stop)]
+
+
+@task(**TASK_OPTIONS, task_run_name="checkpoint-{epoch}")
+def checkpoint(path: Path, epoch: int, payload: dict):
+    save_checkpoint(path, payload)
+
+
+@task(**TASK_OPTIONS, task_run_name="evaluate")
+def evaluate_clients(cells, cfg, problems: Problems):
+    return evaluate(cells, problems.train, problems.test, problems.w0, cfg)
+
+
+@flow(name="pfl-learn2pfed", flow_run_name="{experiment}-learn2pfed-{supervision}-seed{seed}",
+      persist_result=False)
+def learn2pfed_flow(experiment: str, supervision: str, seed: int, params_path: str = "params.yaml",
+                    root: str = ".", on_config_change: str = "refuse") -> dict[str, float]:
+    from prefect.runtime import flow_run
+
+    params = validate_params(load_params(params_path))
+    exp = params.experiment(experiment).model_copy(update={"seed": seed})
+    cfg, root = params.learn2pfed[experiment], Path(root)
+    run_name = f"learn2pfed-{supervision}"
+    paths = RunPaths.of(root, f"learn2pfed/{exp.name}", run_name, seed)
+    problems = build_problems(exp, params, cfg, supervision, root)
+    data_hash = load_partition(root / PARTITIONS / exp.dataset).manifest_hash
+    config = {
+        "experiment": exp.model_dump(mode="json", exclude={"engine", "algorithms", "seeds", "federation", "local"}),
+        "learn2pfed": cfg.model_dump(mode="json", exclude={"meta": {"epochs", "checkpoint_every"}}),
+        "supervision": supervision, "data": data_hash, "upstream": problems.upstream, "code": source_hash(),
+    }
+    identity = {"experiment": exp.name, "algorithm": run_name, "config_hash": config_hash(config),
+                "config": json.dumps(config, sort_keys=True)}
+
+    torch.manual_seed(seed)
+    cells = Cells(problems.train, cfg.cells, cfg.tied, cfg.init.model_dump(), torch.Generator().manual_seed(seed))
+    opt = make_optimizer(cells, cfg.meta)
+    ckpt = resume_point(paths.checkpoint, identity, cfg.meta.epochs, on_config_change)
+    losses, run_id = [], None
+    if ckpt is not None:
+        cells.load_state_dict(ckpt["cells"])
+        opt.load_state_dict(ckpt["optimizer"])
+        losses, run_id = ckpt["losses"], ckpt["mlflow_run_id"]
+        print(f"{exp.name}/{run_name}/seed{seed}: resuming from meta-epoch {len(losses)}")
+
+    tracker = MlflowRun(params.tracking.mlflow_uri, exp.name, f"{run_name}-seed{seed}", run_id)
+    tracker.log_params_and_tags(
+        flatten({"experiment": exp.model_dump(mode="json"), "learn2pfed": cfg.model_dump(mode="json"),
+                 "supervision": supervision}),
+        {"experiment": exp.name, "dataset": exp.dataset, "algorithm": run_name, "algorithm_class": "learn2pfed",
+         "citation": "Lv et al., arXiv:2401.08327", "seed": str(seed), "git_commit": git_commit(),
+         "data_hash": data_hash, "config_hash": identity["config_hash"], "prefect_flow_run_id": str(flow_run.id)},
+    )
+    every = cfg.meta.checkpoint_every
+    for start in range(len(losses), cfg.meta.epochs, every):
+        stop = min(start + every, cfg.meta.epochs)
+        block = meta_epochs(cells, opt, cfg, problems, start, stop)
+        tracker.log_series("meta/loss", block, first_step=start)
+        losses += block
+        checkpoint(paths.checkpoint, stop, {
+            **identity, "round": stop, "cells": cells.state_dict(), "optimizer": opt.state_dict(),
+            "losses": losses, "mlflow_run_id": tracker.run_id, "seed": seed,
+        })
+
+    per_client = evaluate_clients(cells, cfg, problems)
+    task_kind = "classification" if problems.test.n_classes else "regression"
+    final = final_metrics([{"round": cfg.meta.epochs, **summarize_eval(per_client)}], task_kind)
+    final.update(communication(problems, cfg))
+    final.update({"meta/loss_first": losses[0], "meta/loss_last": losses[-1]})
+    lam = participation(cells)
+    final["participation/lam_mean"] = lam.mean().item()
+    if lam.shape[-1] <= 16:  # per coordinate, for the interpretable regression tasks
+        final.update({f"participation/lam_mean_{j}": v for j, v in enumerate(lam.mean((0, 1)).tolist())})
+    write_dvc_outputs(paths.metrics, paths.curve, final, [{"epoch": e, "meta_loss": v} for e, v in enumerate(losses)])
+    tracker.log_metrics(final, step=cfg.meta.epochs)
+    with tempfile.TemporaryDirectory() as tmp:
+        write_csv(Path(tmp) / "clients_last.csv", per_client_rows(per_client))
+        write_csv(Path(tmp) / "participation.csv", [
+            {"cell": c, "client_id": i, **{f"lam_{j}": float(x) for j, x in enumerate(row)}}
+            for c, layer in enumerate(lam) for i, row in enumerate(layer)
+        ])
+        tracker.log_artifacts(Path(tmp))
+    tracker.finish()
+    print(f"{exp.name}/{run_name}/seed{seed}: " + ", ".join(
+        f"{k}={v:.4f}" for k, v in final.items() if k.startswith("final/") and k.endswith(("acc_mean", "mse_mean"))))
+    return final
+
+
+def communication(problems: Problems, cfg: Learn2pFedConfig) -> dict[str, float]:
+    """Bytes per cell: each client uploads v - z - alpha and downloads w (d floats each); the
+    backward pass of a meta step sends the same amounts back; the loss is one float per client."""
+    m, d = problems.train.n_clients, problems.train.dim
+    per_cell = m * d * FLOAT_BYTES
+    return {
+        "comm/bytes_up_per_cell": per_cell, "comm/bytes_down_per_cell": per_cell,
+        "comm/bytes_per_meta_step": 2 * 2 * cfg.cells * per_cell + m * FLOAT_BYTES,
+    }
+
+
+def run_experiment(experiment: str, params_path: str = "params.yaml", root: str = ".",
+                   on_config_change: str = "refuse") -> dict[tuple[str, int], dict[str, float]]:
+    params = validate_params(load_params(params_path))
+    if experiment not in params.learn2pfed:
+        raise ConfigError(f"learn2pfed: no entry '{experiment}' (have: {sorted(params.learn2pfed)})")
+    exp = params.experiment(experiment)
+    return {
+        (supervision, seed): learn2pfed_flow(experiment, supervision, seed, params_path, root, on_config_change)
+        for supervision in params.learn2pfed[experiment].supervision
+        for seed in exp.seeds
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("experiment")
+    parser.add_argument("--params", default="params.yaml")
+    parser.add_argument("--on-config-change", choices=["refuse", "restart", "resume"], default="refuse")
+    args = parser.parse_args(argv)
+    try:
+        run_experiment(args.experiment, args.params, ".", args.on_config_change)
+    except (ConfigError, DataValidationError, CheckpointError) as err:
+        print(f"learn2pfed failed: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

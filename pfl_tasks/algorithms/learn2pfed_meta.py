@@ -1,0 +1,98 @@
+"""Learn2pFed's meta-training: client data as padded stacks, Theta trained through the cells,
+and evaluation of every client's personalized model v_i(L) and of the global w(L).
+
+Supervision is `train` (the paper: the clients' training losses at the last cell) or `heldout`
+([choice], see the issue): the cells fit the rest of each client's training split and the meta
+loss is taken on a held-out part of it. On training loss alone Lambda = 0 is optimal whenever a
+client's model class holds its own truth. Either way, the final models are the cells run with
+the learned Theta on each client's whole training split ([choice]: as retraining on train+val
+after tuning), and they are scored on the clients' test splits.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+import torch
+
+from pfl_tasks.algorithms.learn2pfed import Cells, Problem, unroll
+from pfl_tasks.config import Learn2pFedConfig, MetaOptimizer
+from pfl_tasks.data import ClientSplit
+
+Features = Callable[[torch.Tensor], torch.Tensor]
+
+
+def padded_problem(split: ClientSplit, features: Features, n_classes: int,
+                   keep: torch.Tensor | None = None) -> Problem:
+    """Stacks [M, n_max, ...] of each client's rows (only rows where `keep`, if given)."""
+    feats = features(split.x).double()
+    counts, offsets = split.counts, split.offsets
+    pos = torch.arange(int(counts.max()))[None, :]
+    valid = pos < counts[:, None]
+    rows = torch.where(valid, offsets[:, None] + pos, offsets[:, None])
+    if keep is not None:
+        valid = valid & keep[rows]
+    if (valid.sum(1) == 0).any():
+        empty = torch.nonzero(valid.sum(1) == 0).flatten().tolist()
+        raise ValueError(f"clients {empty} have no rows in this split")
+    y = split.y[rows] if n_classes else split.y[rows].double()
+    return Problem(feats[rows], y, valid.double(), n_classes)
+
+
+def heldout_rows(split: ClientSplit, fraction: float, seed: int) -> torch.Tensor:
+    """Bool [total]: a seeded `fraction` of each client's training rows, at least one row held
+    out and one kept."""
+    rng = np.random.default_rng([seed, 0x12F])
+    held = np.zeros(len(split.y), dtype=bool)
+    for k, (start, n) in enumerate(zip(split.offsets.tolist(), split.counts.tolist())):
+        if n < 2:
+            raise ValueError(f"client {k} has {n} training row(s); heldout supervision needs 2")
+        size = min(n - 1, max(1, round(fraction * n)))
+        held[start + rng.choice(n, size, replace=False)] = True
+    return torch.from_numpy(held)
+
+
+def make_optimizer(cells: Cells, cfg: MetaOptimizer) -> torch.optim.Optimizer:
+    cls = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam}[cfg.name]
+    return cls(cells.parameters(), lr=cfg.lr)
+
+
+def meta_epoch(cells: Cells, opt: torch.optim.Optimizer, cfg: Learn2pFedConfig, epoch: int,
+               fit: Problem, supervise: Problem, w0: torch.Tensor) -> float:
+    """One full-batch outer step on sum_i loss_i(v_i(L)); returns that loss."""
+    meta = cfg.meta
+    lr = meta.decay_lr if meta.decay_epoch is not None and epoch >= meta.decay_epoch else meta.lr
+    for group in opt.param_groups:
+        group["lr"] = lr
+    trace = unroll(cells, fit, w0, cfg.v_steps, cfg.v_lr)
+    loss = supervise.per_client_loss(trace.v).sum()
+    opt.zero_grad()
+    loss.backward()
+    if meta.clip is not None:
+        torch.nn.utils.clip_grad_norm_(cells.parameters(), meta.clip)
+    opt.step()
+    return loss.item()
+
+
+def evaluate(cells: Cells, train: Problem, test: Problem, w0: torch.Tensor,
+             cfg: Learn2pFedConfig) -> dict[str, dict[str, torch.Tensor]]:
+    """Per-client test metrics, in the engine's format, of v_i(L) and of the global w(L)."""
+    trace = unroll(cells, train, w0, cfg.v_steps, cfg.v_lr, create_graph=False)
+    models = {"personalized": trace.v.detach(), "global": trace.w.detach().expand_as(trace.v)}
+    out = {}
+    with torch.no_grad():
+        for kind, v in models.items():
+            metrics = {"n": test.mask.sum(1).float()}
+            loss = test.per_client_loss(v).float()
+            if test.n_classes:
+                metrics.update(loss=loss, acc=test.accuracy(v).float())
+            else:
+                metrics["mse"] = loss
+            out[kind] = metrics
+    return out
+
+
+def participation(cells: Cells) -> torch.Tensor:
+    """Learned Lambda [layers, M, d]: large lambda_ij ties parameter j of client i to w."""
+    return torch.stack([cells.values(c)["lam"] for c in range(len(cells.raw["lam"]))]).detach()
