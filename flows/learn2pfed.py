@@ -27,7 +27,7 @@ from torch.func import functional_call
 
 from flows.train import PARTITIONS, RunPaths, resume_point
 from pfl_tasks.algorithms import build, validate_params
-from pfl_tasks.algorithms.learn2pfed import FLOAT_BYTES, Cells
+from pfl_tasks.algorithms.learn2pfed import Cells
 from pfl_tasks.algorithms.learn2pfed_meta import (
     evaluate, heldout_rows, make_optimizer, meta_epoch, padded_problem, participation,
 )
@@ -60,8 +60,15 @@ def upstream_features(exp: ResolvedExperiment, params, data: FederatedData, run_
     if not path.exists():
         raise CheckpointError(f"{path}: missing; run `dvc repro train@{exp.name}` first")
     ckpt = load_checkpoint(path, {"experiment": exp.name, "algorithm": run_name})
+    if ckpt["round"] != exp.federation.rounds:
+        raise CheckpointError(f"{path}: at round {ckpt['round']} of {exp.federation.rounds}; finish train@{exp.name} first")
     model = build(run_name, params.algorithms[run_name]).global_model(ckpt["server"], ckpt["clients"])
+    where = f"learn2pfed.{exp.name}.features_from"
+    if model is None:
+        raise ConfigError(f"{where}: '{run_name}' has no global model to take a body from")
     head = head_keys(model)
+    if len(head) != 2 or len(model) == len(head):
+        raise ConfigError(f"{where}: '{run_name}' needs a body and a last layer with weight and bias")
     body_net = build_net(exp.model, data.feature_shape, data.n_outputs)[:-1]
     body = {k: v for k, v in model.items() if k not in head}
 
@@ -93,13 +100,14 @@ def build_problems(exp, params, cfg: Learn2pFedConfig, supervision: str, root: P
         fit = supervise = train
     else:
         held = heldout_rows(data.train, cfg.heldout_fraction, exp.seed)
-        fit = padded_problem(data.train, features, n_classes, ~held)
-        supervise = padded_problem(data.train, features, n_classes, held)
-    return Problems(train, fit, supervise, padded_problem(data.test, features, n_classes), w0, upstream)
+        fit = padded_problem(data.train, features, n_classes, ~held, "fit")
+        supervise = padded_problem(data.train, features, n_classes, held, "held-out")
+    test = padded_problem(data.test, features, n_classes, name="test")
+    return Problems(train, fit, supervise, test, w0, upstream)
 
 
 @task(**TASK_OPTIONS, task_run_name="meta-epochs-{start}-{stop}")
-def meta_epochs(cells, opt, cfg, problems: Problems, start: int, stop: int) -> list[float]:
+def meta_epochs(cells, opt, cfg, problems: Problems, start: int, stop: int) -> list[tuple[float, float]]:
     return [meta_epoch(cells, opt, cfg, e, problems.fit, problems.supervise, problems.w0)
             for e in range(start, stop)]
 
@@ -129,7 +137,7 @@ def learn2pfed_flow(experiment: str, supervision: str, seed: int, params_path: s
     data_hash = load_partition(root / PARTITIONS / exp.dataset).manifest_hash
     config = {
         "experiment": exp.model_dump(mode="json", exclude={"engine", "algorithms", "seeds", "federation", "local"}),
-        "learn2pfed": cfg.model_dump(mode="json", exclude={"meta": {"epochs", "checkpoint_every"}}),
+        "learn2pfed": cfg.model_dump(mode="json", exclude={"supervision": True, "meta": {"epochs", "checkpoint_every"}}),
         "supervision": supervision, "data": data_hash, "upstream": problems.upstream, "code": source_hash(),
     }
     identity = {"experiment": exp.name, "algorithm": run_name, "config_hash": config_hash(config),
@@ -139,11 +147,11 @@ def learn2pfed_flow(experiment: str, supervision: str, seed: int, params_path: s
     cells = Cells(problems.train, cfg.cells, cfg.tied, cfg.init.model_dump(), torch.Generator().manual_seed(seed))
     opt = make_optimizer(cells, cfg.meta)
     ckpt = resume_point(paths.checkpoint, identity, cfg.meta.epochs, on_config_change)
-    losses, run_id = [], None
+    losses, run_id = [], None  # (supervised, fit) meta losses per epoch
     if ckpt is not None:
         cells.load_state_dict(ckpt["cells"])
         opt.load_state_dict(ckpt["optimizer"])
-        losses, run_id = ckpt["losses"], ckpt["mlflow_run_id"]
+        losses, run_id = [tuple(pair) for pair in ckpt["losses"]], ckpt["mlflow_run_id"]
         print(f"{exp.name}/{run_name}/seed{seed}: resuming from meta-epoch {len(losses)}")
 
     tracker = MlflowRun(params.tracking.mlflow_uri, exp.name, f"{run_name}-seed{seed}", run_id)
@@ -158,7 +166,8 @@ def learn2pfed_flow(experiment: str, supervision: str, seed: int, params_path: s
     for start in range(len(losses), cfg.meta.epochs, every):
         stop = min(start + every, cfg.meta.epochs)
         block = meta_epochs(cells, opt, cfg, problems, start, stop)
-        tracker.log_series("meta/loss", block, first_step=start)
+        tracker.log_series("meta/loss", [sup for sup, _ in block], first_step=start)
+        tracker.log_series("meta/fit_loss", [fit for _, fit in block], first_step=start)
         losses += block
         checkpoint(paths.checkpoint, stop, {
             **identity, "round": stop, "cells": cells.state_dict(), "optimizer": opt.state_dict(),
@@ -169,12 +178,14 @@ def learn2pfed_flow(experiment: str, supervision: str, seed: int, params_path: s
     task_kind = "classification" if problems.test.n_classes else "regression"
     final = final_metrics([{"round": cfg.meta.epochs, **summarize_eval(per_client)}], task_kind)
     final.update(communication(problems, cfg))
-    final.update({"meta/loss_first": losses[0], "meta/loss_last": losses[-1]})
+    final.update({"meta/loss_first": losses[0][0], "meta/loss_last": losses[-1][0],
+                  "meta/fit_loss_last": losses[-1][1]})
     lam = participation(cells)
     final["participation/lam_mean"] = lam.mean().item()
     if lam.shape[-1] <= 16:  # per coordinate, for the interpretable regression tasks
         final.update({f"participation/lam_mean_{j}": v for j, v in enumerate(lam.mean((0, 1)).tolist())})
-    write_dvc_outputs(paths.metrics, paths.curve, final, [{"epoch": e, "meta_loss": v} for e, v in enumerate(losses)])
+    curve = [{"epoch": e, "meta_loss": sup, "fit_loss": fit} for e, (sup, fit) in enumerate(losses)]
+    write_dvc_outputs(paths.metrics, paths.curve, final, curve)
     tracker.log_metrics(final, step=cfg.meta.epochs)
     with tempfile.TemporaryDirectory() as tmp:
         write_csv(Path(tmp) / "clients_last.csv", per_client_rows(per_client))
@@ -190,13 +201,16 @@ def learn2pfed_flow(experiment: str, supervision: str, seed: int, params_path: s
 
 
 def communication(problems: Problems, cfg: Learn2pFedConfig) -> dict[str, float]:
-    """Bytes per cell: each client uploads v - z - alpha and downloads w (d floats each); the
-    backward pass of a meta step sends the same amounts back; the loss is one float per client."""
+    """Bytes, all clients together, of the cells' float64 vectors: per cell each client uploads
+    v - z - alpha and downloads w (d each). A meta step runs every cell forward and backward
+    (the backward pass sends the gradients of the same vectors the other way), and each client
+    uploads its scalar loss."""
     m, d = problems.train.n_clients, problems.train.dim
-    per_cell = m * d * FLOAT_BYTES
+    per_cell = m * d * problems.train.x.element_size()
     return {
         "comm/bytes_up_per_cell": per_cell, "comm/bytes_down_per_cell": per_cell,
-        "comm/bytes_per_meta_step": 2 * 2 * cfg.cells * per_cell + m * FLOAT_BYTES,
+        "comm/bytes_up_per_meta_step": 2 * cfg.cells * per_cell + m * problems.train.x.element_size(),
+        "comm/bytes_down_per_meta_step": 2 * cfg.cells * per_cell,
     }
 
 

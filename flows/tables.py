@@ -3,7 +3,7 @@
 Rows are methods (every algorithm of the `train` stage and Learn2pFed's runs), columns are
 experiments; a cell is the personalized test metric (accuracy, or MSE for regression) as
 mean over clients, averaged over seeds, +- the std over clients (averaged over seeds) and
-[+- the std over seeds]. Writes `reports/markdown/<table>.md` and the DVC metrics file
+[+- the sample std over seeds]. Writes `reports/markdown/<table>.md` and the DVC metrics file
 `reports/tables/<table>.json`, and logs both to MLflow (experiment `tables`).
 
     python -m flows.tables
@@ -35,14 +35,14 @@ def method_results(root: Path, experiment: str) -> dict[str, list[dict]]:
     return found
 
 
-def cell(seeds: list[dict]) -> dict[str, float] | None:
+def cell(seeds: list[dict]) -> dict[str, float]:
     metric = "acc" if "final/personalized/acc_mean" in seeds[0] else "mse"
     means = [s[f"final/personalized/{metric}_mean"] for s in seeds]
     return {
         "metric": metric,
         "mean": statistics.fmean(means),
         "std_clients": statistics.fmean(s[f"final/personalized/{metric}_std"] for s in seeds),
-        "std_seeds": statistics.pstdev(means),
+        "std_seeds": statistics.stdev(means) if len(means) > 1 else 0.0,
         "seeds": len(seeds),
     }
 
@@ -52,7 +52,11 @@ def build_table(root: Path, table: TableConfig) -> dict[str, dict[str, dict]]:
     missing = [exp for exp, found in results.items() if not found]
     if missing:
         raise ConfigError(f"no metrics under {root / METRICS} for experiment(s) {missing}: run their stages first")
-    methods = table.methods or sorted({m for found in results.values() for m in found})
+    found_any = {m for found in results.values() for m in found}
+    unknown = sorted(set(table.methods or []) - found_any)
+    if unknown:
+        raise ConfigError(f"tables: no runs of method(s) {unknown} (found: {sorted(found_any)})")
+    methods = table.methods or sorted(found_any)
     return {m: {exp: cell(found[m]) for exp, found in results.items() if m in found} for m in methods}
 
 

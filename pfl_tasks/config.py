@@ -244,22 +244,25 @@ class TrackingConfig(Strict):
 
 
 # ----------------------------------------------------------------------------- Learn2pFed
+AboveFloor = Annotated[float, Field(gt=1e-5)]  # Theta's values are exp(raw) + 1e-6
+
+
 class CellInit(Strict):
     """Initial Theta (the authors' demo): rho = eta = gamma = theta = 0.01, Lambda ~ lam U(0,1);
     p starts at n_i / n."""
 
-    rho: PositiveFloat = 0.01
-    eta: PositiveFloat = 0.01
-    gamma: PositiveFloat = 0.01
-    theta: PositiveFloat = 0.01
-    lam: PositiveFloat = 0.001
+    rho: AboveFloor = 0.01
+    eta: AboveFloor = 0.01
+    gamma: AboveFloor = 0.01
+    theta: AboveFloor = 0.01
+    lam: AboveFloor = 0.001
 
 
 class MetaOptimizer(Strict):
     """Outer loop: full batch, gradient clip 1.0 (the demo's). [choice] Adam at lr 0.05 for
     300 epochs on the log-parameters, where the demo ran SGD (lr 1e-2, 1e-3 after 60 epochs,
-    500 epochs) on unconstrained values: on log-parameters that SGD barely moves Theta. Set
-    `{name: sgd, lr: 0.01, decay_epoch: 60, epochs: 500}` for the demo's schedule."""
+    500 epochs) on unconstrained values. `{name: sgd, lr: 0.01, decay_epoch: 60, epochs: 500}`
+    is that schedule, but on log-parameters, where it barely moves Theta: not equivalent."""
 
     name: Literal["sgd", "adam"] = "adam"
     lr: PositiveFloat = 0.05

@@ -31,13 +31,15 @@ def repo_copy(tmp_path_factory):
     ).stdout.split()
     for rel in files:
         src = REPO / rel
-        if src.is_file() and not rel.startswith(("data/", "models/", "metrics/", "plots/")) and rel != "dvc.lock":
+        if src.is_file() and not rel.startswith(("data/", "models/", "metrics/", "plots/", "reports/")) and rel != "dvc.lock":
             (dst / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src, dst / rel)
     data = tiny_params()
     data["engine"]["orchestrator"] = "prefect"
     data["tracking"] = {"mlflow_uri": mlflow_uri()}
     data["federation"]["rounds"] = 2
+    data["learn2pfed"] = {"tiny": {"features_from": "fedavg", "cells": 2, "meta": {"epochs": 4}}}
+    data["tables"] = {"tiny": {"experiments": ["tiny"]}}
     (dst / "params.yaml").write_text(yaml.safe_dump(data))
     env = {
         **os.environ,
@@ -63,6 +65,10 @@ def test_dvc_repro_runs_caches_and_reruns_only_what_changed(repo_copy):
         final = json.loads((root / f"metrics/tiny/{alg}/seed-0.json").read_text())
         assert final["final/round"] == 2 and 0 <= final["final/personalized/acc_mean"] <= 1
         assert (root / f"plots/tiny/{alg}/seed-0.csv").exists()
+    for supervision in ("train", "heldout"):
+        final = json.loads((root / f"metrics/learn2pfed/tiny/learn2pfed-{supervision}/seed-0.json").read_text())
+        assert 0 <= final["final/personalized/acc_mean"] <= 1
+    assert "| learn2pfed-heldout |" in (root / "reports/markdown/tiny.md").read_text()
     shown = sh([*dvc, "metrics", "show", "--json"], root, env)
     assert "final/personalized/acc_mean" in shown
 
@@ -74,6 +80,7 @@ def test_dvc_repro_runs_caches_and_reruns_only_what_changed(repo_copy):
     (root / "params.yaml").write_text(yaml.safe_dump(params))
     out = sh([*dvc, "repro"], root, env)
     assert "Running stage 'train@tiny'" in out and "Running stage 'prepare@digits'" not in out
+    assert "Running stage 'learn2pfed@tiny'" in out and "Running stage 'tables'" in out  # downstream
     assert json.loads((root / "metrics/tiny/fedavg/seed-0.json").read_text())["final/round"] == 3
 
 

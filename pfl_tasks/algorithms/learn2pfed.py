@@ -12,7 +12,9 @@ gamma_i, theta_i} are meta-trained by gradient descent through all cells. One ce
 Clients own Lambda, rho, eta, theta and send only the mixed vector v_i - z_i - alpha_i; the
 server owns p, gamma and w. At a fixed point, grad F_i(v_i) = -(rho_i/eta_i) Lambda_i z_i and
 sum_i p_i gamma_i Lambda_i z_i / eta_i = 0: with gamma_i proportional to rho_i this is the
-minimizer of sum_i p_i [F_i(v_i) + rho_i/(2 eta_i) (v_i - w)^T Lambda_i (v_i - w)].
+minimizer of sum_i p_i [F_i(v_i) + rho_i/(2 eta_i) (v_i - w)^T Lambda_i (v_i - w)], the
+problem above when eta_i = rho_i / 2. Cells run in float64 on the CPU (small problems: one
+model vector per client).
 
 [choice]s: every parameter is exp(raw) + 1e-6, so Lambda > 0 and rho, eta, gamma, theta,
 p > 0 always and every inverse exists; the map is scale-free, so one outer learning rate serves
@@ -35,7 +37,6 @@ import torch.nn.functional as F
 FLOOR = 1e-6  # keeps rho + X^T X invertible when a client has fewer rows than features
 CLIENT_KEYS = ("lam", "rho", "eta", "theta")  # owned by each client
 SERVER_KEYS = ("p", "gamma")  # owned by the server
-FLOAT_BYTES = 4
 
 
 def positive(raw: torch.Tensor) -> torch.Tensor:
@@ -99,10 +100,10 @@ class Cells(torch.nn.Module):
         counts = problem.mask.sum(1)
         start = {key: torch.full((layers, m), init[key]) for key in ("rho", "eta", "gamma", "theta")}
         start["p"] = (counts / counts.sum()).expand(layers, m)
-        start["lam"] = init["lam"] * torch.rand(layers, m, d, generator=generator).clamp_min(1e-3)
-        self.raw = torch.nn.ParameterDict(
-            {key: torch.nn.Parameter(inverse_positive(value.double())) for key, value in start.items()}
-        )
+        raw = {key: inverse_positive(value.double()) for key, value in start.items()}
+        uniform = torch.rand(layers, m, d, generator=generator, dtype=torch.float64).clamp_min(1e-6)
+        raw["lam"] = torch.log(init["lam"] * uniform)  # Lambda = lam U + FLOOR
+        self.raw = torch.nn.ParameterDict({key: torch.nn.Parameter(value) for key, value in raw.items()})
 
     def values(self, cell: int) -> dict[str, torch.Tensor]:
         return {key: positive(raw[min(cell, len(raw) - 1)]) for key, raw in self.raw.items()}
@@ -112,14 +113,12 @@ class Cells(torch.nn.Module):
 class Trace:
     v: torch.Tensor  # [M, d] personalized models after the last cell
     w: torch.Tensor  # [d] global model after the last cell
-    bytes_up: int  # client -> server, all clients, forward pass
-    bytes_down: int
 
 
 # ----------------------------------------------------------------------------- one cell's steps
 def v_step_closed_form(gram, xty, rho, center):
     """argmin_v 1/2 ||X v - Y||^2 + rho/2 ||v - center||^2 for every client at once."""
-    eye = torch.eye(gram.shape[-1], dtype=gram.dtype)
+    eye = torch.eye(gram.shape[-1], dtype=gram.dtype, device=gram.device)
     return torch.linalg.solve(gram + rho[:, None, None] * eye, xty + rho[:, None] * center)
 
 
@@ -153,7 +152,7 @@ def unroll(cells: Cells, problem: Problem, w0: torch.Tensor, v_steps: int = 1, v
     m, d = problem.n_clients, problem.dim
     w = w0.to(problem.x.dtype)
     v = w.expand(m, d)
-    z = alpha = torch.zeros(m, d, dtype=w.dtype)
+    z = alpha = torch.zeros(m, d, dtype=w.dtype, device=w.device)
     if problem.n_classes == 0:
         xm = problem.x * problem.mask[..., None]
         gram, xty = xm.transpose(1, 2) @ xm, torch.einsum("mnd,mn->md", xm, problem.y)
@@ -167,5 +166,4 @@ def unroll(cells: Cells, problem: Problem, w0: torch.Tensor, v_steps: int = 1, v
         z = z_step(v, w, alpha, theta["lam"], theta["eta"])
         w = w_step(v - z - alpha, theta["p"], theta["gamma"])  # the only upload: v - z - alpha
         alpha = alpha_step(alpha, v, z, w, theta["theta"])
-    per_cell = m * d * FLOAT_BYTES
-    return Trace(v, w, bytes_up=cells.cells * per_cell, bytes_down=cells.cells * per_cell)
+    return Trace(v, w)

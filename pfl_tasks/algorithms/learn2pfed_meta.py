@@ -6,11 +6,14 @@ Supervision is `train` (the paper: the clients' training losses at the last cell
 loss is taken on a held-out part of it. On training loss alone Lambda = 0 is optimal whenever a
 client's model class holds its own truth. Either way, the final models are the cells run with
 the learned Theta on each client's whole training split ([choice]: as retraining on train+val
-after tuning), and they are scored on the clients' test splits.
+after tuning; since F_i sums over rows, the data term then weighs n_train / n_fit times more
+against rho and Lambda than during meta-training), and they are scored on the clients' test
+splits.
 """
 
 from __future__ import annotations
 
+import copy
 from typing import Callable
 
 import numpy as np
@@ -24,7 +27,7 @@ Features = Callable[[torch.Tensor], torch.Tensor]
 
 
 def padded_problem(split: ClientSplit, features: Features, n_classes: int,
-                   keep: torch.Tensor | None = None) -> Problem:
+                   keep: torch.Tensor | None = None, name: str = "training") -> Problem:
     """Stacks [M, n_max, ...] of each client's rows (only rows where `keep`, if given)."""
     feats = features(split.x).double()
     counts, offsets = split.counts, split.offsets
@@ -35,7 +38,7 @@ def padded_problem(split: ClientSplit, features: Features, n_classes: int,
         valid = valid & keep[rows]
     if (valid.sum(1) == 0).any():
         empty = torch.nonzero(valid.sum(1) == 0).flatten().tolist()
-        raise ValueError(f"clients {empty} have no rows in this split")
+        raise ValueError(f"clients {empty} have no rows in the {name} split")
     y = split.y[rows] if n_classes else split.y[rows].double()
     return Problem(feats[rows], y, valid.double(), n_classes)
 
@@ -59,8 +62,9 @@ def make_optimizer(cells: Cells, cfg: MetaOptimizer) -> torch.optim.Optimizer:
 
 
 def meta_epoch(cells: Cells, opt: torch.optim.Optimizer, cfg: Learn2pFedConfig, epoch: int,
-               fit: Problem, supervise: Problem, w0: torch.Tensor) -> float:
-    """One full-batch outer step on sum_i loss_i(v_i(L)); returns that loss."""
+               fit: Problem, supervise: Problem, w0: torch.Tensor) -> tuple[float, float]:
+    """One full-batch outer step on sum_i loss_i(v_i(L)) over the `supervise` rows; returns that
+    loss and the same sum over the `fit` rows (equal under `train` supervision)."""
     meta = cfg.meta
     lr = meta.decay_lr if meta.decay_epoch is not None and epoch >= meta.decay_epoch else meta.lr
     for group in opt.param_groups:
@@ -72,13 +76,14 @@ def meta_epoch(cells: Cells, opt: torch.optim.Optimizer, cfg: Learn2pFedConfig, 
     if meta.clip is not None:
         torch.nn.utils.clip_grad_norm_(cells.parameters(), meta.clip)
     opt.step()
-    return loss.item()
+    return loss.item(), fit.per_client_loss(trace.v.detach()).sum().item()
 
 
 def evaluate(cells: Cells, train: Problem, test: Problem, w0: torch.Tensor,
              cfg: Learn2pFedConfig) -> dict[str, dict[str, torch.Tensor]]:
     """Per-client test metrics, in the engine's format, of v_i(L) and of the global w(L)."""
-    trace = unroll(cells, train, w0, cfg.v_steps, cfg.v_lr, create_graph=False)
+    frozen = copy.deepcopy(cells).requires_grad_(False)
+    trace = unroll(frozen, train, w0, cfg.v_steps, cfg.v_lr, create_graph=False)
     models = {"personalized": trace.v.detach(), "global": trace.w.detach().expand_as(trace.v)}
     out = {}
     with torch.no_grad():

@@ -1,0 +1,58 @@
+"""The Learn2pFed stage end to end: features from an upstream checkpoint, resume, and tables."""
+
+import json
+
+import pytest
+import yaml
+
+from conftest import mlflow_uri, tiny_params
+
+pytestmark = pytest.mark.slow
+
+
+def write_params(project, epochs):
+    data = tiny_params(algorithms=["local", "fedavg"])
+    data["tracking"] = {"mlflow_uri": mlflow_uri()}
+    data["learn2pfed"] = {"tiny": {"features_from": "fedavg", "cells": 3, "supervision": ["heldout"],
+                                   "meta": {"epochs": epochs, "checkpoint_every": 4}}}
+    data["tables"] = {"tiny": {"experiments": ["tiny"], "methods": ["learn2pfed-heldout", "fedavg", "local"]}}
+    (project / "params.yaml").write_text(yaml.safe_dump(data))
+    return str(project / "params.yaml")
+
+
+def test_learn2pfed_head_on_upstream_body_resumes_and_lands_in_the_table(project, prefect_harness):
+    import torch
+
+    from flows.learn2pfed import learn2pfed_flow, run_experiment
+    from flows.tables import write_tables
+    from flows.train import train_experiment
+    from pfl_tasks.engine.checkpoint import CheckpointError
+
+    path = write_params(project, epochs=8)
+    with pytest.raises(CheckpointError, match="train@tiny"):  # no upstream checkpoint yet
+        run_experiment("tiny", path, str(project))
+    train_experiment("tiny", path, str(project))
+
+    first = run_experiment("tiny", path, str(project))[("heldout", 0)]
+    ckpt = project / "models/learn2pfed/tiny/learn2pfed-heldout/seed-0/checkpoint.pt"
+    assert torch.load(ckpt, weights_only=True)["round"] == 8
+    assert first["comm/bytes_up_per_cell"] == 6 * 10 * 17 * 8  # clients x classes x (16 + bias) float64s
+    assert first["meta/loss_last"] != first["meta/fit_loss_last"]  # held-out and fit rows differ
+
+    path = write_params(project, epochs=12)  # a longer meta-training continues from epoch 8
+    resumed = learn2pfed_flow("tiny", "heldout", 0, path, str(project))
+    straight = project / "straight"
+    straight.mkdir()
+    for sub in ("data", "models/tiny"):
+        (straight / sub).parent.mkdir(parents=True, exist_ok=True)
+        (straight / sub).symlink_to(project / sub)
+    fresh = learn2pfed_flow("tiny", "heldout", 0, path, str(straight))
+    assert resumed == fresh  # resume is exact: same losses, same metrics
+
+    write_tables(path, str(project))
+    table = (project / "reports/markdown/tiny.md").read_text()
+    rows = [line.split(" | ")[0].strip("| ") for line in table.splitlines() if line.startswith("| ")]
+    assert rows[1:] == ["learn2pfed-heldout", "fedavg", "local"]
+    cells = json.loads((project / "reports/tables/tiny.json").read_text())
+    assert cells["fedavg"]["tiny"]["seeds"] == 1
+    assert cells["learn2pfed-heldout"]["tiny"]["mean"] == pytest.approx(resumed["final/personalized/acc_mean"])
