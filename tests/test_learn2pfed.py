@@ -148,7 +148,7 @@ def test_gradient_v_step_is_a_prox_gradient_step_on_the_clients_loss():
 def test_meta_gradients_reach_every_parameter_and_meta_steps_reduce_the_loss(kind):
     problem = regression_problem() if kind == "regression" else classification_problem()
     cfg = Learn2pFedConfig.model_validate(
-        {"cells": 4, "tied": False, "v_steps": 2, "init": {"rho": 0.5, "eta": 0.5, "gamma": 0.5, "theta": 0.5, "lam": 0.5},
+        {"cells": 4, "tied": False, "v_steps": 2, "v_lr": 0.5, "init": {"rho": 0.5, "eta": 0.5, "gamma": 0.5, "theta": 0.5, "lam": 0.5},
          "meta": {"name": "adam", "lr": 0.1, "clip": None}}
     )
     cells = Cells(problem, cfg.cells, cfg.tied, cfg.init.model_dump(), torch.Generator().manual_seed(0))
