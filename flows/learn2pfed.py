@@ -143,7 +143,6 @@ def learn2pfed_flow(experiment: str, supervision: str, seed: int, params_path: s
     identity = {"experiment": exp.name, "algorithm": run_name, "config_hash": config_hash(config),
                 "config": json.dumps(config, sort_keys=True)}
 
-    torch.manual_seed(seed)
     cells = Cells(problems.train, cfg.cells, cfg.tied, cfg.init.model_dump(), torch.Generator().manual_seed(seed))
     opt = make_optimizer(cells, cfg.meta)
     ckpt = resume_point(paths.checkpoint, identity, cfg.meta.epochs, on_config_change)
