@@ -23,18 +23,17 @@ import flows  # noqa: F401  (environment defaults)
 import torch
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
-from torch.func import functional_call
 
 from flows.train import PARTITIONS, RunPaths, resume_point
 from pfl_tasks.algorithms import build, validate_params
 from pfl_tasks.algorithms.learn2pfed import Cells
 from pfl_tasks.algorithms.learn2pfed_meta import (
-    evaluate, heldout_rows, make_optimizer, meta_epoch, padded_problem, participation,
+    communication, evaluate, heldout_rows, make_optimizer, meta_epoch, padded_problem, participation,
 )
 from pfl_tasks.config import ConfigError, Learn2pFedConfig, ResolvedExperiment, config_hash, load_params
 from pfl_tasks.data import DataValidationError, FederatedData, load_partition
 from pfl_tasks.engine.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from pfl_tasks.nets import build_net, head_keys
+from pfl_tasks.nets import build_net, embed, head_keys, split_net
 from pfl_tasks.tracking import (
     MlflowRun, final_metrics, flatten, git_commit, per_client_rows, source_hash, summarize_eval,
     write_csv, write_dvc_outputs,
@@ -51,6 +50,7 @@ class Problems:
     test: object
     w0: torch.Tensor
     upstream: str  # hash of the upstream checkpoint ("" for regression)
+    data_hash: str
 
 
 def upstream_features(exp: ResolvedExperiment, params, data: FederatedData, run_name: str, root: Path):
@@ -66,17 +66,15 @@ def upstream_features(exp: ResolvedExperiment, params, data: FederatedData, run_
     where = f"learn2pfed.{exp.name}.features_from"
     if model is None:
         raise ConfigError(f"{where}: '{run_name}' has no global model to take a body from")
-    head = head_keys(model)
-    if len(head) != 2 or len(model) == len(head):
+    if len(head_keys(model)) != 2 or len(model) == 2:
         raise ConfigError(f"{where}: '{run_name}' needs a body and a last layer with weight and bias")
-    body_net = build_net(exp.model, data.feature_shape, data.n_outputs)[:-1]
-    body = {k: v for k, v in model.items() if k not in head}
+    body, body_params, _, head = split_net(build_net(exp.model, data.feature_shape, data.n_outputs), model)
 
     @torch.no_grad()
     def features(x):
-        return torch.cat([functional_call(body_net, body, (part,)) for part in torch.split(x, 1024)])
+        return embed(body, body_params, x)
 
-    weight, bias = (model[k] for k in sorted(head, key=lambda k: k.endswith("bias")))
+    weight, bias = (head[k] for k in sorted(head, key=lambda k: k.endswith("bias")))
     w0 = torch.cat([weight, bias[:, None]], 1).flatten().double()
     return features, w0, hashlib.sha256(path.read_bytes()).hexdigest()[:16]
 
@@ -95,15 +93,16 @@ def build_problems(exp, params, cfg: Learn2pFedConfig, supervision: str, root: P
             return torch.cat([flat, torch.ones(len(x), 1)], 1) if cfg.bias else flat
 
         w0, upstream = torch.zeros(features(data.train.x[:1]).shape[1], dtype=torch.float64), ""
-    train = padded_problem(data.train, features, n_classes)
+    train_features = features(data.train.x)
+    train = padded_problem(data.train, train_features, n_classes)
     if supervision == "train":
         fit = supervise = train
     else:
         held = heldout_rows(data.train, cfg.heldout_fraction, exp.seed)
-        fit = padded_problem(data.train, features, n_classes, ~held, "fit")
-        supervise = padded_problem(data.train, features, n_classes, held, "held-out")
-    test = padded_problem(data.test, features, n_classes, name="test")
-    return Problems(train, fit, supervise, test, w0, upstream)
+        fit = padded_problem(data.train, train_features, n_classes, ~held, "fit")
+        supervise = padded_problem(data.train, train_features, n_classes, held, "held-out")
+    test = padded_problem(data.test, features(data.test.x), n_classes, name="test")
+    return Problems(train, fit, supervise, test, w0, upstream, data.manifest_hash)
 
 
 @task(**TASK_OPTIONS, task_run_name="meta-epochs-{start}-{stop}")
@@ -134,7 +133,7 @@ def learn2pfed_flow(experiment: str, supervision: str, seed: int, params_path: s
     run_name = f"learn2pfed-{supervision}"
     paths = RunPaths.of(root, f"learn2pfed/{exp.name}", run_name, seed)
     problems = build_problems(exp, params, cfg, supervision, root)
-    data_hash = load_partition(root / PARTITIONS / exp.dataset).manifest_hash
+    data_hash = problems.data_hash
     config = {
         "experiment": exp.model_dump(mode="json", exclude={"engine", "algorithms", "seeds", "federation", "local"}),
         "learn2pfed": cfg.model_dump(mode="json", exclude={"supervision": True, "meta": {"epochs", "checkpoint_every"}}),
@@ -176,7 +175,7 @@ def learn2pfed_flow(experiment: str, supervision: str, seed: int, params_path: s
     per_client = evaluate_clients(cells, cfg, problems)
     task_kind = "classification" if problems.test.n_classes else "regression"
     final = final_metrics([{"round": cfg.meta.epochs, **summarize_eval(per_client)}], task_kind)
-    final.update(communication(problems, cfg))
+    final.update(communication(problems.train, cfg.cells))
     final.update({"meta/loss_first": losses[0][0], "meta/loss_last": losses[-1][0],
                   "meta/fit_loss_last": losses[-1][1]})
     lam = participation(cells)
@@ -197,20 +196,6 @@ def learn2pfed_flow(experiment: str, supervision: str, seed: int, params_path: s
     print(f"{exp.name}/{run_name}/seed{seed}: " + ", ".join(
         f"{k}={v:.4f}" for k, v in final.items() if k.startswith("final/") and k.endswith(("acc_mean", "mse_mean"))))
     return final
-
-
-def communication(problems: Problems, cfg: Learn2pFedConfig) -> dict[str, float]:
-    """Bytes, all clients together, of the cells' float64 vectors: per cell each client uploads
-    v - z - alpha and downloads w (d each). A meta step runs every cell forward and backward
-    (the backward pass sends the gradients of the same vectors the other way), and each client
-    uploads its scalar loss."""
-    m, d = problems.train.n_clients, problems.train.dim
-    per_cell = m * d * problems.train.x.element_size()
-    return {
-        "comm/bytes_up_per_cell": per_cell, "comm/bytes_down_per_cell": per_cell,
-        "comm/bytes_up_per_meta_step": 2 * cfg.cells * per_cell + m * problems.train.x.element_size(),
-        "comm/bytes_down_per_meta_step": 2 * cfg.cells * per_cell,
-    }
 
 
 def run_experiment(experiment: str, params_path: str = "params.yaml", root: str = ".",

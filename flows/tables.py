@@ -85,16 +85,17 @@ def write_tables(params_path: str = "params.yaml", root: str = ".") -> list[Path
     written = []
     for name, table in params.tables.items():
         rows = build_table(root, table)
+        text, blob = markdown(name, rows, table.experiments), json.dumps(rows, indent=1, sort_keys=True)
         md = root / REPORTS / "markdown" / f"{name}.md"
-        atomic_write_text(md, markdown(name, rows, table.experiments))
-        atomic_write_text(root / REPORTS / "tables" / f"{name}.json", json.dumps(rows, indent=1, sort_keys=True))
+        atomic_write_text(md, text)
+        atomic_write_text(root / REPORTS / "tables" / f"{name}.json", blob)
         tracker = MlflowRun(params.tracking.mlflow_uri, "tables", name, None)
         with tempfile.TemporaryDirectory() as tmp:
-            (Path(tmp) / md.name).write_text(md.read_text())
-            (Path(tmp) / f"{name}.json").write_text(json.dumps(rows, indent=1, sort_keys=True))
+            (Path(tmp) / md.name).write_text(text)
+            (Path(tmp) / f"{name}.json").write_text(blob)
             tracker.log_artifacts(Path(tmp))
         tracker.finish()
-        print(md.read_text())
+        print(text)
         written.append(md)
     return written
 

@@ -8,6 +8,7 @@ import math
 
 import torch
 from torch import nn
+from torch.func import functional_call
 
 from pfl_tasks.config import CNNNet, LinearNet, LSTMNet, MLPNet
 
@@ -108,6 +109,19 @@ def init_params(net: nn.Module, seed: int) -> dict[str, torch.Tensor]:
     finally:
         torch.random.set_rng_state(gen_state)
     return {name: p.detach().clone() for name, p in net.named_parameters()}
+
+
+def split_net(net: nn.Sequential, params: dict[str, torch.Tensor]):
+    """(body, body params, head, head params) of a net built here: the head is the last layer."""
+    head = head_keys(params)
+    cut = int(next(iter(head)).split(".", 1)[0])
+    body_params = {k: v for k, v in params.items() if k not in head}
+    return net[:cut], body_params, net[cut:], {k: params[k] for k in head}
+
+
+def embed(body: nn.Module, body_params: dict[str, torch.Tensor], x: torch.Tensor, block: int = 4096):
+    """The body's output for every row of `x`, `block` rows per forward pass."""
+    return torch.cat([functional_call(body, body_params, (part,)) for part in x.split(block)])
 
 
 def head_keys(param_names) -> set[str]:

@@ -177,11 +177,10 @@ def scarce_polynomial(n_points, n_clients, noise, seed, supervision="heldout"):
     df, _ = build_partition("poly_scarce", cfg, seed)
     train_split = _client_split(df[df["split"] == "train"], n_clients, (4,))
     test_split = _client_split(df[df["split"] == "test"], n_clients, (4,))
-    identity = lambda x: x  # noqa: E731
-    train, test = padded_problem(train_split, identity, 0), padded_problem(test_split, identity, 0)
+    train, test = padded_problem(train_split, train_split.x, 0), padded_problem(test_split, test_split.x, 0)
     held = heldout_rows(train_split, 0.25, seed)
-    fit = padded_problem(train_split, identity, 0, ~held) if supervision == "heldout" else train
-    supervise = padded_problem(train_split, identity, 0, held) if supervision == "heldout" else train
+    fit = padded_problem(train_split, train_split.x, 0, ~held) if supervision == "heldout" else train
+    supervise = padded_problem(train_split, train_split.x, 0, held) if supervision == "heldout" else train
     l2p = Learn2pFedConfig()
     cells = Cells(train, l2p.cells, l2p.tied, l2p.init.model_dump(), torch.Generator().manual_seed(seed))
     opt, w0 = make_optimizer(cells, l2p.meta), torch.zeros(4, dtype=torch.float64)

@@ -107,5 +107,5 @@ class CFL(Algorithm):
         return gather(server["models"], server["cluster"][state["id"]]), True
 
     def global_model(self, server, clients):
-        sizes = torch.bincount(server["cluster"], minlength=self.n_clients)
+        sizes = torch.bincount(server["cluster"], minlength=len(server["cluster"]))
         return weighted_mean(server["models"], sizes.to(torch.float64))

@@ -28,23 +28,13 @@ from torch.func import functional_call
 from pfl_tasks.algorithms.fedavg import FedAvg, FedAvgHyper
 from pfl_tasks.algorithms.registry import register
 from pfl_tasks.engine.state import broadcast
-from pfl_tasks.nets import head_keys
-
-EMBED_BLOCK = 4096  # training rows embedded per forward pass when building datastores
+from pfl_tasks.nets import embed, split_net
 
 
 class KNNPerHyper(FedAvgHyper):
     k: Annotated[int, Field(gt=0)] = 10
     lam: Annotated[float, Field(ge=0, le=1)] = 0.5
     temperature: Annotated[float, Field(gt=0)] | None = None  # None: the embedding dimension
-
-
-def split_net(net, params):
-    """(body, body params, head, head params) of one of `nets`' Sequential nets."""
-    head = head_keys(params)
-    cut = int(next(iter(head)).split(".", 1)[0])
-    body_params = {k: v for k, v in params.items() if k not in head}
-    return net[:cut], body_params, net[cut:], {k: params[k] for k in head}
 
 
 def knn_probs(query, keys, labels, mask, k: int, temperature: float, n_classes: int):
@@ -82,7 +72,7 @@ class KNNPer(FedAvg):
         mask = position < counts[:, None]
         rows = trainer.offsets[:, None] + position * mask  # padding repeats the first row
         x = trainer.train.x[rows.flatten()]
-        keys = torch.cat([functional_call(body, body_params, (part,)) for part in x.split(EMBED_BLOCK)])
+        keys = embed(body, body_params, x)
         store = {"keys": keys.view(*rows.shape, -1), "labels": trainer.train.y[rows], "mask": mask}
         return {"model": broadcast(model, len(counts)), "store": store}, True
 

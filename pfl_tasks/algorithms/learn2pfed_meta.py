@@ -14,7 +14,6 @@ splits.
 from __future__ import annotations
 
 import copy
-from typing import Callable
 
 import numpy as np
 import torch
@@ -23,13 +22,11 @@ from pfl_tasks.algorithms.learn2pfed import Cells, Problem, unroll
 from pfl_tasks.config import Learn2pFedConfig, MetaOptimizer
 from pfl_tasks.data import ClientSplit
 
-Features = Callable[[torch.Tensor], torch.Tensor]
-
-
-def padded_problem(split: ClientSplit, features: Features, n_classes: int,
+def padded_problem(split: ClientSplit, features: torch.Tensor, n_classes: int,
                    keep: torch.Tensor | None = None, name: str = "training") -> Problem:
-    """Stacks [M, n_max, ...] of each client's rows (only rows where `keep`, if given)."""
-    feats = features(split.x).double()
+    """Stacks [M, n_max, ...] of each client's rows of `features` [total, d] (the split's rows,
+    as features), only rows where `keep`, if given."""
+    feats = features.double()
     counts, offsets = split.counts, split.offsets
     pos = torch.arange(int(counts.max()))[None, :]
     valid = pos < counts[:, None]
@@ -96,6 +93,20 @@ def evaluate(cells: Cells, train: Problem, test: Problem, w0: torch.Tensor,
                 metrics["mse"] = loss
             out[kind] = metrics
     return out
+
+
+def communication(problem: Problem, cells: int) -> dict[str, float]:
+    """Bytes, all clients together, of the cells' float64 vectors: per cell each client uploads
+    v - z - alpha and downloads w (d each). A meta step runs every cell forward and backward
+    (the backward pass sends the gradients of the same vectors the other way), and each client
+    uploads its scalar loss."""
+    m, d, size = problem.n_clients, problem.dim, problem.x.element_size()
+    per_cell = m * d * size
+    return {
+        "comm/bytes_up_per_cell": per_cell, "comm/bytes_down_per_cell": per_cell,
+        "comm/bytes_up_per_meta_step": 2 * cells * per_cell + m * size,
+        "comm/bytes_down_per_meta_step": 2 * cells * per_cell,
+    }
 
 
 def participation(cells: Cells) -> torch.Tensor:

@@ -73,6 +73,10 @@ class LpProj(PersonalModels, Algorithm):
     Hyper = LpProjHyper
 
     def init_server(self, params):
+        size = sum(v.numel() for v in params.values())
+        if self.hp.dim >= size:
+            raise ValueError(f"lp_proj: dim={self.hp.dim} must be below the model's {size} parameters "
+                             "(the shared model lives in a low-dimensional subspace)")
         return {"w": torch.zeros(self.hp.dim)}
 
     def payload(self, server):
@@ -81,9 +85,6 @@ class LpProj(PersonalModels, Algorithm):
     def client_update(self, trainer, payload, state):
         hp, personal = self.hp, state["personal"]
         size = sum(v[0].numel() for v in personal.values())
-        if hp.dim >= size:
-            raise ValueError(f"lp_proj: dim={hp.dim} must be below the model's {size} parameters "
-                             "(the shared model lives in a low-dimensional subspace)")
         proj = projection(trainer.seed, hp.dim, size).to(payload["w"].device)
         w = payload["w"].expand(len(trainer.client_ids), hp.dim)
         for r in range(hp.local_rounds):
