@@ -140,10 +140,12 @@ def test_fashion_mnist_reads_idx_files(tmp_path):
     expected = np.concatenate([written["train"], written["t10k"]])[:, None] / 255
     np.testing.assert_allclose(data.features, expected, rtol=1e-6)
     assert data.labels.tolist() == list(range(10)) * 3 + list(range(10))
-    subset = fashion_mnist(
-        FashionMNISTSource(name="fashion_mnist", directory=tmp_path, max_samples=12), RNG
-    )
-    assert len(subset.labels) == 12
+    small = FashionMNISTSource(name="fashion_mnist", directory=tmp_path, max_samples=12)
+    subset = fashion_mnist(small, np.random.default_rng(5))
+    keep = np.sort(np.random.default_rng(5).choice(40, 12, replace=False))  # seeded, in order
+    assert keep.tolist() != list(range(12))  # a random subset, not the first rows
+    np.testing.assert_allclose(subset.features, expected[keep], rtol=1e-6)
+    assert subset.labels.tolist() == data.labels[keep].tolist()
 
 
 def test_fashion_mnist_partition_passes_the_schema(tmp_path):
