@@ -15,6 +15,7 @@ for _key, _value in {
     "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
     "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
     "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
+    "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false",
 }.items():
     os.environ.setdefault(_key, _value)
 

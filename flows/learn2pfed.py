@@ -35,7 +35,7 @@ from pfl_tasks.data import DataValidationError, FederatedData, load_partition
 from pfl_tasks.engine.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from pfl_tasks.nets import build_net, embed, head_keys, split_net
 from pfl_tasks.tracking import (
-    MlflowRun, final_metrics, flatten, git_commit, per_client_rows, source_hash, summarize_eval,
+    MlflowRun, final_metrics, flatten, per_client_rows, progress, run_tags, source_hash, summarize_eval,
     write_csv, write_dvc_outputs,
 )
 
@@ -51,6 +51,7 @@ class Problems:
     w0: torch.Tensor
     upstream: str  # hash of the upstream checkpoint ("" for regression)
     data_hash: str
+    partition: str
 
 
 def upstream_features(exp: ResolvedExperiment, params, data: FederatedData, run_name: str, root: Path):
@@ -102,7 +103,7 @@ def build_problems(exp, params, cfg: Learn2pFedConfig, supervision: str, root: P
         fit = padded_problem(data.train, train_features, n_classes, ~held, "fit")
         supervise = padded_problem(data.train, train_features, n_classes, held, "held-out")
     test = padded_problem(data.test, features(data.test.x), n_classes, name="test")
-    return Problems(train, fit, supervise, test, w0, upstream, data.manifest_hash)
+    return Problems(train, fit, supervise, test, w0, upstream, data.manifest_hash, data.partition)
 
 
 @task(**TASK_OPTIONS, task_run_name="meta-epochs-{start}-{stop}")
@@ -156,14 +157,16 @@ def learn2pfed_flow(experiment: str, supervision: str, seed: int, params_path: s
     tracker.log_params_and_tags(
         flatten({"experiment": exp.model_dump(mode="json"), "learn2pfed": cfg.model_dump(mode="json"),
                  "supervision": supervision}),
-        {"experiment": exp.name, "dataset": exp.dataset, "algorithm": run_name, "algorithm_class": "learn2pfed",
-         "citation": "Lv et al., arXiv:2401.08327", "seed": str(seed), "git_commit": git_commit(),
-         "data_hash": data_hash, "config_hash": identity["config_hash"], "prefect_flow_run_id": str(flow_run.id)},
+        run_tags(exp, problems.partition, run_name, "learn2pfed", "Lv et al., arXiv:2401.08327", data_hash,
+                 identity["config_hash"], str(flow_run.id)),
     )
     every = cfg.meta.checkpoint_every
+    bar = progress(f"{exp.name}/{run_name}/seed{seed}", cfg.meta.epochs, len(losses), "epoch")
     for start in range(len(losses), cfg.meta.epochs, every):
         stop = min(start + every, cfg.meta.epochs)
         block = meta_epochs(cells, opt, cfg, problems, start, stop)
+        bar.set_postfix_str(f"meta loss={block[-1][0]:.4f}", refresh=False)
+        bar.update(stop - start)
         tracker.log_series("meta/loss", [sup for sup, _ in block], first_step=start)
         tracker.log_series("meta/fit_loss", [fit for _, fit in block], first_step=start)
         losses += block
@@ -172,6 +175,7 @@ def learn2pfed_flow(experiment: str, supervision: str, seed: int, params_path: s
             "losses": losses, "mlflow_run_id": tracker.run_id, "seed": seed,
         })
 
+    bar.close()
     per_client = evaluate_clients(cells, cfg, problems)
     task_kind = "classification" if problems.test.n_classes else "regression"
     final = final_metrics([{"round": cfg.meta.epochs, **summarize_eval(per_client)}], task_kind)

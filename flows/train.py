@@ -33,9 +33,10 @@ from pfl_tasks.tracking import (
     best_index,
     final_metrics,
     flatten,
-    git_commit,
     learning_curve_png,
     per_client_rows,
+    progress,
+    run_tags,
     source_hash,
     summarize_eval,
     write_csv,
@@ -205,12 +206,8 @@ def train_run(
     tracker = MlflowRun(tracking_uri, exp.name, f"{run_name}-seed{exp.seed}", run_id)
     tracker.log_params_and_tags(
         flatten({"experiment": exp.model_dump(mode="json"), "algorithm": raw_hp}),
-        {
-            "experiment": exp.name, "dataset": exp.dataset, "algorithm": run_name,
-            "algorithm_class": fed.algorithm.name, "citation": fed.algorithm.citation,
-            "seed": str(exp.seed), "git_commit": git_commit(), "data_hash": data.manifest_hash,
-            "config_hash": identity["config_hash"], "prefect_flow_run_id": flow_run_id,
-        },
+        run_tags(exp, data.partition, run_name, fed.algorithm.name, fed.algorithm.citation, data.manifest_hash,
+                 identity["config_hash"], flow_run_id),
     )
 
     def snapshot() -> dict:
@@ -220,6 +217,7 @@ def train_run(
             "seed": exp.seed,
         }
 
+    bar = progress(f"{exp.name}/{run_name}/seed{exp.seed}", fedcfg.rounds, state.round, "round")
     for round_idx in range(state.round, fedcfg.rounds):
         state = run_round(steps, fed, state, round_idx)
         comm = [comm[0] + state.bytes_up, comm[1] + state.bytes_down]
@@ -233,10 +231,13 @@ def train_run(
             if best_index(history, data.task) == len(history) - 1:
                 tables["best"] = per_client
             tracker.log_metrics({k: v for k, v in record.items() if k != "round"}, step=done)
-            print(f"{exp.name}/{run_name} round {done}: " + ", ".join(
-                f"{k}={v:.4f}" for k, v in record.items() if k.endswith(("acc_mean", "mse_mean"))))
+            summary = ", ".join(f"{k}={v:.4f}" for k, v in record.items() if k.endswith(("acc_mean", "mse_mean")))
+            bar.set_postfix_str(summary, refresh=False)
+            bar.write(f"{exp.name}/{run_name} round {done}: {summary}")
         if done % fedcfg.checkpoint_every == 0 or done == fedcfg.rounds:
             steps.checkpoint(paths.checkpoint, done, snapshot())
+        bar.update()
+    bar.close()
 
     final = final_metrics(history, data.task)
     write_dvc_outputs(paths.metrics, paths.curve, final, history)

@@ -102,6 +102,15 @@ def learning_curve_png(path: Path, history: list[dict], task: str, title: str) -
     plt.close(fig)
 
 
+def progress(desc: str, total: int, done: int, unit: str):
+    """A terminal progress bar (done/total, rate, ETA, latest metric as postfix); off when
+    stdout is not a terminal or under CI, where the per-evaluation log lines remain."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=done, desc=desc, unit=unit, dynamic_ncols=True,
+                disable=True if os.environ.get("CI") else None)
+
+
 def source_hash() -> str:
     """Hash of the library's source: a checkpoint from other code is not resumed."""
     import hashlib
@@ -118,6 +127,17 @@ def git_commit() -> str:
         return out.stdout.strip() or "unknown"
     except OSError:
         return "unknown"
+
+
+def run_tags(exp, partition: str, run_name: str, algorithm_class: str, citation: str, data_hash: str,
+             config_hash: str, flow_run_id: str) -> dict[str, str]:
+    """The MLflow tags a comparison filters and groups by."""
+    return {
+        "experiment": exp.name, "dataset": exp.dataset, "partition": partition, "model": exp.model.kind,
+        "algorithm": run_name, "algorithm_class": algorithm_class, "citation": citation, "seed": str(exp.seed),
+        "git_commit": git_commit(), "data_hash": data_hash, "config_hash": config_hash,
+        "prefect_flow_run_id": flow_run_id,
+    }
 
 
 def flatten(tree: dict, prefix: str = "") -> dict[str, str]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 
@@ -138,3 +139,41 @@ def pooled_least_squares(xs, ys, weights=None):
 def assert_rel_close(actual, expected, tol=1e-4):
     err = (actual.double() - expected).norm() / expected.norm()
     assert err < tol, f"relative error {err:.2e}"
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def background_server(args: list[str], health_url: str, log_path, env=None, timeout: float = 120):
+    """Start a server process, wait (bounded) until `health_url` answers, stop it by SIGTERM to its PID."""
+    import signal
+    import subprocess
+    import time
+    import urllib.request
+
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env)
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                with urllib.request.urlopen(health_url, timeout=2):
+                    break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"{args[0]} did not come up at {health_url}:\n{open(log_path).read()[-3000:]}")
+                time.sleep(0.5)
+        yield proc
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

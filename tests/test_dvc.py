@@ -69,6 +69,9 @@ def test_dvc_repro_runs_caches_and_reruns_only_what_changed(repo_copy):
         final = json.loads((root / f"metrics/learn2pfed/tiny/learn2pfed-{supervision}/seed-0.json").read_text())
         assert 0 <= final["final/personalized/acc_mean"] <= 1
     assert "| learn2pfed-heldout |" in (root / "reports/markdown/tiny.md").read_text()
+    report = (root / "reports/compare/tiny.md").read_text()
+    assert "| fedavg |" in report and "| learn2pfed-heldout |" in report
+    assert (root / "reports/figures/tiny-curves.png").exists()
     shown = sh([*dvc, "metrics", "show", "--json"], root, env)
     assert "final/personalized/acc_mean" in shown
 
@@ -81,6 +84,7 @@ def test_dvc_repro_runs_caches_and_reruns_only_what_changed(repo_copy):
     out = sh([*dvc, "repro"], root, env)
     assert "Running stage 'train@tiny'" in out and "Running stage 'prepare@digits'" not in out
     assert "Running stage 'learn2pfed@tiny'" in out and "Running stage 'tables'" in out  # downstream
+    assert "Running stage 'compare'" in out
     assert json.loads((root / "metrics/tiny/fedavg/seed-0.json").read_text())["final/round"] == 3
 
 

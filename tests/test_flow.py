@@ -43,6 +43,8 @@ def test_prefect_flow_runs_rounds_as_tasks_and_logs_to_mlflow(project, prefect_h
     assert fedavg.info.status == "FINISHED"
     assert fedavg.data.tags["algorithm"] == "fedavg" and fedavg.data.tags["prefect_flow_run_id"]
     assert fedavg.data.tags["seed"] == "0" and runs["fedavg-seed1"].data.tags["seed"] == "1"
+    assert fedavg.data.tags["partition"] == "dirichlet(alpha=0.5, min_samples=20, n_clients=6)"
+    assert fedavg.data.tags["dataset"] == "digits" and fedavg.data.tags["model"] == "mlp"
     assert fedavg.data.params["experiment.federation.rounds"] == "2"
     metrics = fedavg.data.metrics
     for key in ("final/personalized/acc_mean", "final/global/acc_worst10", "best/personalized/acc_weighted",

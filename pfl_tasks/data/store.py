@@ -91,6 +91,7 @@ class FederatedData:
     train: ClientSplit
     test: ClientSplit
     manifest_hash: str
+    partition: str = ""  # e.g. "dirichlet(alpha=0.3, min_samples=20, n_clients=20)"
 
     @property
     def n_clients(self) -> int:
@@ -120,7 +121,13 @@ def load_partition(directory: Path) -> FederatedData:
         train=_client_split(df[df["split"] == "train"], manifest["n_clients"], shape),
         test=_client_split(df[df["split"] == "test"], manifest["n_clients"], shape),
         manifest_hash=manifest["table_sha256"][:16],
+        partition=_describe(manifest["config"]["partition"]),
     )
+
+
+def _describe(partition: dict) -> str:
+    options = ", ".join(f"{k}={v}" for k, v in sorted(partition.items()) if k != "kind")
+    return f"{partition['kind']}({options})"
 
 
 def _client_split(df: pd.DataFrame, n_clients: int, shape: tuple[int, ...]) -> ClientSplit:
