@@ -24,7 +24,7 @@ class ComparisonError(ValueError):
     pass
 
 
-Spread = tuple[float, float]  # mean and sample std over seeds
+Spread = tuple[float, float | None]  # mean and sample std over seeds (None for one seed)
 
 
 @dataclass(frozen=True)
@@ -73,7 +73,7 @@ def _spread(runs: list, key: str) -> Spread | None:
     values = [run.data.metrics[key] for run in runs if key in run.data.metrics]
     if not values:
         return None
-    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
+    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else None
 
 
 def rank(newest: dict[str, dict[int, object]], metric: str) -> list[Ranked]:
@@ -114,7 +114,10 @@ def client_values(client, run_ids: list[str], metric: str) -> pd.Series | None:
 
 
 def _fmt(spread: Spread | None) -> str:
-    return "–" if spread is None else f"{spread[0]:.4f} ± {spread[1]:.4f}"
+    if spread is None:
+        return "–"
+    mean, std = spread
+    return f"{mean:.4f}" if std is None else f"{mean:.4f} ± {std:.4f}"
 
 
 def markdown(experiment: str, metric: str, ranked: list[Ranked], figures: dict[str, str]) -> str:

@@ -14,7 +14,12 @@ from typing import Annotated, Any, Literal, Union
 
 import yaml
 from pydantic import (
-    BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
 )
 
 PositiveInt = Annotated[int, Field(gt=0)]
@@ -319,6 +324,49 @@ class ResolvedExperiment(Strict):
     engine: EngineConfig
 
 
+class SweepConfig(Strict):
+    """A parameter sweep (Prefect UI): `algorithms` x `seeds` of one experiment of the params
+    file, under dotted `overrides` such as {"federation.rounds": 50, "algorithms.ditto.mu": 0.5}.
+    It runs as its own experiment `<experiment>-<name>`, in `sweeps/<name>/`."""
+
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]+$")]
+    experiment: str
+    algorithms: Annotated[list[str], Field(min_length=1)] | None = None  # None: the experiment's
+    seeds: Annotated[list[int], Field(min_length=1)] | None = None
+    overrides: dict[str, Any] = {}
+    params_path: str = "params.yaml"
+
+    @property
+    def experiment_name(self) -> str:
+        return f"{self.experiment}-{self.name}"
+
+    def params(self) -> dict:
+        """The sweep's own params file: only its experiment, renamed, with the overrides
+        applied; validated like params.yaml, so an error names the offending key."""
+        raw = read_params(self.params_path)
+        for dotted, value in self.overrides.items():
+            _set_dotted(raw, dotted, value)
+        experiments = raw.get("experiments") or {}
+        if self.experiment not in experiments:
+            raise ConfigError(f"sweep.experiment: '{self.experiment}' is not in {self.params_path} "
+                              f"(have: {sorted(experiments)})")
+        exp = dict(experiments[self.experiment])
+        exp.update({k: v for k, v in (("algorithms", self.algorithms), ("seeds", self.seeds)) if v is not None})
+        raw.update(experiments={self.experiment_name: exp}, learn2pfed={}, tables={})
+        parse_params(raw)
+        return raw
+
+
+def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
+    *parents, leaf = dotted.split(".")
+    node = tree
+    for i, key in enumerate(parents):
+        node = node.setdefault(key, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"sweep.overrides: '{dotted}': '{'.'.join(parents[:i + 1])}' is not a section")
+    node[leaf] = value
+
+
 class Params(Strict):
     seed: int = 0
     datasets: dict[str, DatasetConfig]
@@ -412,12 +460,20 @@ def parse_params(data: Any) -> Params:
     return params
 
 
-def load_params(path: str | Path = "params.yaml") -> Params:
-    path = Path(path)
+def read_params(path: str | Path) -> dict:
+    """The raw params file, unvalidated."""
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.safe_load(Path(path).read_text())
     except (OSError, yaml.YAMLError) as err:
         raise ConfigError(f"cannot read {path}: {err}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of sections at the top level")
+    return data
+
+
+def load_params(path: str | Path = "params.yaml") -> Params:
+    path = Path(path)
+    data = read_params(path)
     try:
         return parse_params(data)
     except ConfigError as err:

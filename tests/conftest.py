@@ -150,7 +150,7 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def background_server(args: list[str], health_url: str, log_path, env=None, timeout: float = 120):
+def background_server(args: list[str], health_url: str, log_path, env=None, timeout: float = 120, cwd=None):
     """Start a server process, wait (bounded) until `health_url` answers, stop it by SIGTERM to its PID."""
     import signal
     import subprocess
@@ -158,7 +158,7 @@ def background_server(args: list[str], health_url: str, log_path, env=None, time
     import urllib.request
 
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd)
     try:
         deadline = time.monotonic() + timeout
         while True:

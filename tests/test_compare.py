@@ -10,8 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 import yaml
-
 from conftest import background_server, free_port, mlflow_uri, tiny_params
+
 from pfl_tasks.compare import ComparisonError, rank, write_report
 from pfl_tasks.tracking import MlflowRun, write_csv
 
@@ -88,7 +88,8 @@ def test_compare_against_a_real_mlflow_server(project, tmp_path):
     port = free_port()
     uri = f"http://127.0.0.1:{port}"
     server = [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
-              "--backend-store-uri", f"sqlite:///{tmp_path}/server.db", "--artifacts-destination", str(tmp_path / "art")]
+              "--backend-store-uri", f"sqlite:///{tmp_path}/server.db",
+              "--artifacts-destination", str(tmp_path / "art")]
     env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", "DO_NOT_TRACK": "true"}
     data = tiny_params(algorithms=["local", "fedavg"])
     data["federation"] = {"rounds": 2, "eval_every": 1, "checkpoint_every": 2}

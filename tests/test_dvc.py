@@ -96,3 +96,14 @@ def test_dvc_exp_run_with_set_param(repo_copy):
     assert "Running stage 'train@tiny'" in out
     shown = sh([sys.executable, "-m", "dvc", "exp", "show", "--json"], root, env)
     assert "federation.rounds" in shown or '"rounds": 4' in shown
+
+
+def test_repro_flow_streams_dvc_repro_and_fails_loudly(repo_copy, prefect_harness, monkeypatch):
+    """The nightly deployment's flow: `dvc repro` in the repo (all cached after the tests above)."""
+    from flows.pipeline import repro_flow
+
+    root, env = repo_copy
+    monkeypatch.setenv("PATH", env["PATH"])
+    repro_flow(root=str(root))  # nothing to rerun: completes
+    with pytest.raises(RuntimeError, match="dvc repro exited with status"):
+        repro_flow(targets=["no-such-stage"], root=str(root))

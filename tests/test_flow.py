@@ -56,3 +56,24 @@ def test_prefect_flow_runs_rounds_as_tasks_and_logs_to_mlflow(project, prefect_h
     artifacts = {a.path for a in mlflow.list_artifacts(fedavg.info.run_id)}
     assert {"clients_last.csv", "clients_best.csv", "learning_curve.png"} <= artifacts
     assert "final/global/acc_mean" not in runs["local-seed0"].data.metrics  # no global model
+
+
+def test_progress_bar_shows_on_a_terminal_only_and_never_under_ci(monkeypatch):
+    import io
+    import sys
+
+    from pfl_tasks.tracking import progress
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    monkeypatch.delenv("CI", raising=False)
+    monkeypatch.setattr(sys, "stderr", io.StringIO())
+    assert progress("run", 10, 0, "round").disable
+    monkeypatch.setattr(sys, "stderr", Terminal())
+    bar = progress("run", 10, 3, "round")
+    assert not bar.disable and bar.n == 3
+    bar.close()
+    monkeypatch.setenv("CI", "true")
+    assert progress("run", 10, 0, "round").disable

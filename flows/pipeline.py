@@ -1,0 +1,91 @@
+"""Whole-pipeline flows, for scheduled runs in the Prefect UI and for params files outside
+`dvc.yaml`:
+
+- `pfl-repro`: `dvc repro` itself, so only stale stages run and DVC records every output; the
+  stages' own flow runs report to the same Prefect server.
+- `pfl-pipeline`: every stage of one params file in this one process (one Prefect start):
+  prepare -> train -> learn2pfed -> tables -> compare. For example the optional Fashion-MNIST
+  experiment:
+
+    python -m flows.pipeline --params params-fmnist.yaml
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import flows  # noqa: F401  (environment defaults)
+from prefect import flow, get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+
+from flows.compare import compare
+from flows.learn2pfed import run_experiment as learn2pfed_experiment
+from flows.prepare import PARTITIONS, prepare
+from flows.tables import write_tables
+from flows.train import train_experiment
+from pfl_tasks.algorithms import validate_params
+from pfl_tasks.compare import ComparisonError
+from pfl_tasks.config import ConfigError, load_params
+from pfl_tasks.data import DataValidationError
+from pfl_tasks.data.partition import PartitionError
+from pfl_tasks.data.sources import SourceError
+from pfl_tasks.engine.checkpoint import CheckpointError
+
+STEP_OPTIONS = dict(cache_policy=NO_CACHE, persist_result=False)
+prepare_step = task(prepare, **STEP_OPTIONS, task_run_name="prepare-{dataset}")
+tables_step = task(write_tables, **STEP_OPTIONS, task_run_name="tables")
+compare_step = task(compare, **STEP_OPTIONS, task_run_name="compare")
+
+
+@flow(name="pfl-repro", flow_run_name="dvc-repro", persist_result=False)
+def repro_flow(targets: list[str] | None = None, root: str = ".") -> None:
+    """`dvc repro [targets]` in `root`, its output streamed to this flow run's log."""
+    logger = get_run_logger()
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    proc = subprocess.Popen([sys.executable, "-m", "dvc", "repro", *(targets or [])], cwd=root, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    for line in proc.stdout:
+        logger.info(line.rstrip())
+    if proc.wait():
+        raise RuntimeError(f"dvc repro exited with status {proc.returncode}")
+
+
+@flow(name="pfl-pipeline", flow_run_name="pipeline-{params_path}", persist_result=False)
+def pipeline_flow(params_path: str = "params.yaml", root: str = ".", experiments: list[str] | None = None) -> dict:
+    """Every stage for `experiments` (default: all, and then the tables too); returns each
+    experiment's ranking."""
+    params = validate_params(load_params(params_path))
+    unknown = sorted(set(experiments or []) - set(params.experiments))
+    if unknown:
+        raise ConfigError(f"{params_path}: no experiment(s) {unknown} (have: {sorted(params.experiments)})")
+    chosen = experiments or list(params.experiments)
+    for dataset in sorted({params.experiments[e].dataset for e in chosen}):
+        prepare_step(dataset, params_path, Path(root) / PARTITIONS)
+    for experiment in chosen:
+        train_experiment(experiment, params_path, root, "restart")
+        if experiment in params.learn2pfed:
+            learn2pfed_experiment(experiment, params_path, root, "restart")
+    if experiments is None and params.tables:
+        tables_step(params_path, root)
+    return compare_step(chosen, params_path, root=root)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--params", default="params.yaml")
+    parser.add_argument("experiments", nargs="*", help="default: every experiment of the params file")
+    args = parser.parse_args(argv)
+    try:
+        pipeline_flow(args.params, ".", args.experiments or None)
+    except (ConfigError, ComparisonError, DataValidationError, PartitionError, SourceError, CheckpointError) as err:
+        print(f"pipeline failed: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

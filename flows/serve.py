@@ -1,0 +1,65 @@
+"""Register the pipeline's deployments with a Prefect server and run their flow runs.
+
+    prefect server start --host 127.0.0.1                                     # the UI
+    PREFECT_API_URL=http://127.0.0.1:4200/api python -m flows.serve           # in the repo root
+
+Deployments (`flow.serve` semantics: this process polls the server and runs each flow run in
+a subprocess here, next to the data, checkpoints and DVC cache; no work pool to set up):
+- `pfl-repro/nightly`: `dvc repro` on a cron schedule (`--cron`, default 02:00 daily);
+- `pfl-sweep/sweep`: algorithms x seeds of an experiment under overrides (run it from the UI
+  with "Custom run"; `--sweep-cron` schedules its defaults);
+- `pfl-pipeline/params-file`: every stage of a params file, e.g. `params-fmnist.yaml`.
+Default parameters are validated against the params files before anything is registered.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import flows  # noqa: F401  (environment defaults)
+from flows.pipeline import pipeline_flow, repro_flow
+from flows.sweep import sweep_flow
+from pfl_tasks.algorithms import validate_params
+from pfl_tasks.config import ConfigError, SweepConfig, load_params, parse_params
+
+DEFAULT_SWEEP = SweepConfig(name="digits-sweep", experiment="digits", algorithms=["fedavg", "ditto", "fedrep"],
+                            seeds=[0, 1, 2], overrides={"federation.rounds": 20})
+
+
+def deployments(cron: str, sweep: SweepConfig, sweep_cron: str | None, params_file: str) -> dict:
+    validate_params(parse_params(sweep.params()))
+    validate_params(load_params(params_file))
+    return {
+        "nightly": repro_flow.to_deployment(
+            name="nightly", cron=cron, description="dvc repro: reruns the stale stages of dvc.yaml"),
+        "sweep": sweep_flow.to_deployment(
+            name="sweep", cron=sweep_cron, parameters={"sweep": sweep.model_dump()},
+            description="algorithms x seeds of one experiment, under dotted overrides of params.yaml"),
+        "params-file": pipeline_flow.to_deployment(
+            name="params-file", parameters={"params_path": params_file},
+            description="every stage of one params file, in one process"),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    from prefect import serve
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cron", default="0 2 * * *", help="schedule of pfl-repro/nightly")
+    parser.add_argument("--sweep", default=DEFAULT_SWEEP.model_dump_json(), help="the sweep's default parameters, JSON")
+    parser.add_argument("--sweep-cron", help="schedule of pfl-sweep/sweep (default: none, run from the UI)")
+    parser.add_argument("--params-file", default="params-fmnist.yaml", help="default of pfl-pipeline/params-file")
+    parser.add_argument("--only", nargs="+", choices=["nightly", "sweep", "params-file"], help="serve just these")
+    args = parser.parse_args(argv)
+    try:
+        chosen = deployments(args.cron, SweepConfig.model_validate_json(args.sweep), args.sweep_cron, args.params_file)
+    except (ValueError, ConfigError) as err:
+        print(f"serve failed: {err}", file=sys.stderr)
+        return 2
+    serve(*(d for name, d in chosen.items() if not args.only or name in args.only))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,92 @@
+"""Scheduled deployments on a real Prefect server, and the sweep's parameter validation."""
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import background_server, free_port, mlflow_uri, tiny_params
+
+from pfl_tasks.config import ConfigError, SweepConfig
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def write_params(root: Path, **changes) -> Path:
+    data = tiny_params()
+    data["engine"] = {"orchestrator": "prefect", "device": "cpu", "chunk_size": 4}
+    data["federation"] = {"rounds": 2, "eval_every": 1, "checkpoint_every": 2}
+    data["tracking"] = {"mlflow_uri": mlflow_uri()}
+    data.update(changes)
+    (root / "params.yaml").write_text(yaml.safe_dump(data))
+    return root / "params.yaml"
+
+
+def test_sweep_parameters_are_validated_like_params_yaml(tmp_path):
+    path = str(write_params(tmp_path))
+    sweep = SweepConfig(name="s1", experiment="tiny", algorithms=["fedavg"], seeds=[3, 4],
+                        overrides={"federation.rounds": 7, "algorithms.fedprox.mu": 0.1}, params_path=path)
+    raw = sweep.params()
+    assert list(raw["experiments"]) == ["tiny-s1"]
+    exp = raw["experiments"]["tiny-s1"]
+    assert exp["algorithms"] == ["fedavg"] and exp["seeds"] == [3, 4]
+    assert raw["federation"]["rounds"] == 7 and raw["algorithms"]["fedprox"]["mu"] == 0.1
+
+    with pytest.raises(ConfigError, match=r"federation: unknown key\(s\) \['roundz'\]"):
+        SweepConfig(name="s", experiment="tiny", overrides={"federation.roundz": 7}, params_path=path).params()
+    with pytest.raises(ConfigError, match=r"federation.rounds"):
+        SweepConfig(name="s", experiment="tiny", overrides={"federation.rounds": "many"}, params_path=path).params()
+    with pytest.raises(ConfigError, match=r"'seed' is not a section"):
+        SweepConfig(name="s", experiment="tiny", overrides={"seed.x": 1}, params_path=path).params()
+    with pytest.raises(ConfigError, match=r"sweep.experiment: 'nope'"):
+        SweepConfig(name="s", experiment="nope", params_path=path).params()
+    with pytest.raises(ConfigError, match=r"experiments.tiny-s.algorithms: 'ditto'"):
+        SweepConfig(name="s", experiment="tiny", algorithms=["ditto"], params_path=path).params()
+    with pytest.raises(ValueError, match="name"):
+        SweepConfig(name="../escape", experiment="tiny")
+
+
+@pytest.mark.slow
+def test_served_sweep_deployment_runs_rounds_as_task_runs(project, tmp_path):
+    """`prefect server` and `python -m flows.serve` as real processes on loopback; the sweep
+    deployment, triggered with `run_deployment`, completes and shows each round's tasks."""
+    from prefect.client.orchestration import get_client
+    from prefect.deployments import run_deployment
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    write_params(project)
+    port = free_port()
+    api = f"http://127.0.0.1:{port}/api"
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect-home"), "PREFECT_API_URL": api,
+           "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PYTHONPATH": str(REPO)}
+    server = [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)]
+    sweep = {"name": "t", "experiment": "tiny", "algorithms": ["fedavg"], "seeds": [0]}
+    serve = [sys.executable, "-m", "flows.serve", "--only", "sweep", "--params-file", "params.yaml",
+             "--sweep", SweepConfig(**sweep).model_dump_json()]
+
+    with background_server(server, f"{api}/health", tmp_path / "server.log", env), \
+            temporary_settings({PREFECT_API_URL: api}):
+        with background_server(serve, f"{api}/health", tmp_path / "serve.log", env, cwd=project) as serving:
+            with get_client(sync_client=True) as client:
+                deadline = time.monotonic() + 120
+                while True:  # the serve process registers its deployment
+                    try:
+                        client.read_deployment_by_name("pfl-sweep/sweep")
+                        break
+                    except Exception:
+                        log = (tmp_path / "serve.log").read_text()
+                        assert serving.poll() is None and time.monotonic() < deadline, log
+                        time.sleep(1)
+                flow_run = run_deployment("pfl-sweep/sweep", parameters={"sweep": sweep}, timeout=400)
+                assert flow_run.state.is_completed(), (tmp_path / "serve.log").read_text()[-5000:]
+                assert flow_run.name == "sweep-t"
+                names = {fr.name for fr in client.read_flow_runs()}
+                tasks = {t.name for t in client.read_task_runs()}
+    assert "tiny-t-fedavg-seed0" in names  # the training run, a subflow of the sweep
+    for name in ("prepare-digits", "round-0/sample_clients", "round-0/local_update-chunk-0",
+                 "round-0/local_update-chunk-1", "round-0/aggregate", "round-1/evaluate", "compare"):
+        assert name in tasks
+    assert (project / "sweeps/t/metrics/tiny-t/fedavg/seed-0.json").exists()
+    assert (project / "sweeps/t/reports/compare/tiny-t.md").exists()
