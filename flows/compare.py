@@ -22,6 +22,16 @@ REPORTS = Path("reports/compare")
 FIGURES = Path("reports/figures")
 
 
+def configured_runs(params, experiment: str) -> set[tuple[str, int]]:
+    """(algorithm, seed) of every run the params file configures for `experiment`, Learn2pFed's
+    included: older runs under names since removed stay out of the report."""
+    exp = params.experiment(experiment)
+    names = list(exp.algorithms)
+    if experiment in params.learn2pfed:
+        names += [f"learn2pfed-{s}" for s in params.learn2pfed[experiment].supervision]
+    return {(name, seed) for name in names for seed in exp.seeds}
+
+
 def compare(experiments: list[str] | None = None, params_path: str = "params.yaml", tracking_uri: str | None = None,
             root: str = ".") -> dict[str, list]:
     from mlflow.tracking import MlflowClient
@@ -36,7 +46,8 @@ def compare(experiments: list[str] | None = None, params_path: str = "params.yam
     root = Path(root)
     rankings = {}
     for experiment in experiments:
-        rankings[experiment] = write_report(client, experiment, root / REPORTS, root / FIGURES)
+        only = configured_runs(params, experiment) if experiment in params.experiments else None
+        rankings[experiment] = write_report(client, experiment, root / REPORTS, root / FIGURES, only)
         best = rankings[experiment][0]
         print(f"{experiment}: {len(rankings[experiment])} methods ranked, best {best.method} "
               f"({best.personalized[0]:.4f}) -> {root / REPORTS / experiment}.md")

@@ -39,8 +39,10 @@ class Ranked:
     run_ids: list[str]
 
 
-def newest_finished_runs(client, experiment: str) -> dict[str, dict[int, object]]:
-    """algorithm -> seed -> its newest FINISHED run."""
+def newest_finished_runs(client, experiment: str, only: set[tuple[str, int]] | None = None
+                         ) -> dict[str, dict[int, object]]:
+    """algorithm -> seed -> its newest FINISHED run; of the (algorithm, seed) pairs in `only`
+    when given (what the params file still configures)."""
     found = client.get_experiment_by_name(experiment)
     if found is None:
         raise ComparisonError(f"MLflow at {client.tracking_uri} has no experiment '{experiment}'")
@@ -57,7 +59,7 @@ def newest_finished_runs(client, experiment: str) -> dict[str, dict[int, object]
     newest: dict[str, dict[int, object]] = {}
     for run in runs:
         tags = run.data.tags
-        if "algorithm" in tags and "seed" in tags:
+        if "algorithm" in tags and "seed" in tags and (only is None or (tags["algorithm"], int(tags["seed"])) in only):
             newest.setdefault(tags["algorithm"], {}).setdefault(int(tags["seed"]), run)
     if not newest:
         raise ComparisonError(f"MLflow experiment '{experiment}' has no finished runs tagged with an algorithm")
@@ -202,9 +204,10 @@ def _save(fig, path: Path) -> None:
     tmp.replace(path)
 
 
-def write_report(client, experiment: str, report_dir: Path, figure_dir: Path) -> list[Ranked]:
+def write_report(client, experiment: str, report_dir: Path, figure_dir: Path,
+                 only: set[tuple[str, int]] | None = None) -> list[Ranked]:
     """`report_dir/<experiment>.md` and its PNGs in `figure_dir`; returns the ranking."""
-    newest = newest_finished_runs(client, experiment)
+    newest = newest_finished_runs(client, experiment, only)
     metric = primary_metric(newest)
     ranked = rank(newest, metric)
     figures = {}

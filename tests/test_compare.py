@@ -46,8 +46,12 @@ def test_ranking_over_seeds_uses_each_seeds_newest_finished_run(tmp_path, monkey
     log_run(uri, experiment, "b", 0, acc=0.6)
     log_run(uri, experiment, "b", 1, acc=0.7)
     log_run(uri, experiment, "a", 2, acc=1.0, status="FAILED")  # not finished: left out
+    log_run(uri, experiment, "renamed", 0, acc=0.95)  # no longer configured: left out by `only`
 
-    ranked = write_report(MlflowClient(uri), experiment, tmp_path / "reports", tmp_path / "figures")
+    client = MlflowClient(uri)
+    assert [r.method for r in write_report(client, experiment, tmp_path, tmp_path)] == ["renamed", "a", "b"]
+    only = {(m, s) for m in ("a", "b") for s in (0, 1, 2)}
+    ranked = write_report(client, experiment, tmp_path / "reports", tmp_path / "figures", only)
     assert [r.method for r in ranked] == ["a", "b"]
     a, b = ranked
     assert a.seeds == [0, 1] and b.seeds == [0, 1]
