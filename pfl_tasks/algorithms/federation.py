@@ -18,12 +18,15 @@ from pfl_tasks.config import ResolvedExperiment
 from pfl_tasks.data import FederatedData
 from pfl_tasks.engine.evaluate import evaluate_clients
 from pfl_tasks.engine.executor import make_trainer
-from pfl_tasks.engine.state import Tree, concat, gather, scatter, to_device, tree_bytes, tree_map
+from pfl_tasks.engine.state import Tree, concat, gather, scatter_, to_device, tree_bytes, tree_map
 from pfl_tasks.nets import build_net, init_params
 
 
 @dataclass
 class RunState:
+    """The state after `round` rounds. The next round's aggregate updates `clients` in place
+    (its cost is the sampled rows, not every client's), so a state is consumed by that round."""
+
     round: int  # completed rounds
     server: Tree
     clients: Tree  # stacks with one row per client, on the CPU
@@ -102,7 +105,7 @@ class Federation:
         server = self.algorithm.aggregate(state.server, messages, weights)
         clients = state.clients
         if clients:
-            clients = scatter(clients, ids, concat([r.clients for r in results]))
+            clients = scatter_(clients, ids, concat([r.clients for r in results]))
         up = tree_bytes(messages)
         return RunState(state.round + 1, server, clients, up, sum(r.bytes_down for r in results))
 

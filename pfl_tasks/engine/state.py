@@ -38,13 +38,13 @@ def gather(stack: Tree, index: torch.Tensor) -> Tree:
     return tree_map(lambda t: t[index.to(t.device)], stack)
 
 
-def scatter(stack: Tree, index: torch.Tensor, values: Tree) -> Tree:
-    """A copy of `stack` with rows `index` replaced by `values`."""
+def scatter_(stack: Tree, index: torch.Tensor, values: Tree) -> Tree:
+    """Rows `index` of `stack` replaced by `values`, in place: a round costs its sampled rows,
+    not a copy of every client's state."""
 
     def put(t: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        out = t.clone()
-        out[index.to(t.device)] = v.to(t.device, t.dtype)
-        return out
+        t[index.to(t.device)] = v.to(t.device, t.dtype)
+        return t
 
     return tree_zip(put, stack, values)
 
