@@ -11,7 +11,7 @@ export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS := 120
 export MLFLOW_SERVER_ENABLE_JOB_EXECUTION := false
 
-.PHONY: run test venv
+.PHONY: run test venv bench
 
 venv: $(VENV)/.installed
 
@@ -25,3 +25,6 @@ run: venv
 
 test: venv
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+bench: venv  # P1-P3 ratios and a profile: bench/results/<date>-<host>.{json,md,png}
+	$(BIN)/python -m bench.run $(BENCH_ARGS)

@@ -79,7 +79,7 @@ def batch_schedule(
     for i, (n, b, s, cid) in enumerate(zip(sizes, batch, steps, client_ids.tolist())):
         gen = torch.Generator().manual_seed(client_seed(seed, round_idx, cid, stream))
         need = s * b
-        order = torch.cat([torch.randperm(n, generator=gen) for _ in range(-(-need // n))])
+        order = torch.rand(-(-need // n), n, generator=gen).argsort(1).flatten()  # whole epochs
         index[i, :s, :b] = order[:need].view(s, b)
         mask[i, :s, :b] = True
     active = torch.arange(s_max)[None, :] < torch.tensor(steps)[:, None]
@@ -149,10 +149,9 @@ class VectorizedTrainer(LocalTrainer):
 
         grads_of = vmap(grad(client_objective))
         opt_state = optim.init_state(local.optimizer, train)
-        for s in range(sched.index.shape[1]):
+        for s, active in enumerate(self._active(sched)):
             x, y, mask = self._batch(sched, s)
             g = grads_of(train, frozen, x, y, mask.to(x.dtype), aux)
-            active = sched.active[:, s].to(x.device)
             train, opt_state = optim.step(local.optimizer, train, g, opt_state, s, active)
         return {**frozen, **train}
 
@@ -169,13 +168,18 @@ class VectorizedTrainer(LocalTrainer):
             return step(c, data_loss, a, Batch(x, y, weight, extra))
 
         stepped = vmap(client_step)
-        for s in range(sched.index.shape[1]):
+        for s, active in enumerate(self._active(sched)):
             x, y, mask = self._batch(sched, s)
             extra = tree_map(lambda t: t[:, s], per_step)
             new = stepped(carry, x, y, mask.to(x.dtype), aux or {}, extra)
-            active = sched.active[:, s].to(x.device)
-            carry = tree_zip(lambda n, o: torch.where(per_row(active, n), n, o), new, carry)
+            carry = new if active is None else tree_zip(lambda n, o: torch.where(per_row(active, n), n, o), new, carry)
         return carry
+
+    def _active(self, sched: Schedule) -> list[torch.Tensor | None]:
+        """Per step, the mask of clients still within their budget; None where all are."""
+        device = self.train.x.device
+        everyone = sched.active.all(0).tolist()
+        return [None if all_in else sched.active[:, s].to(device) for s, all_in in enumerate(everyone)]
 
     def _batch(self, sched: Schedule, s: int):
         device = self.train.x.device

@@ -1,7 +1,7 @@
 """Functional optimizers over (stacked) parameter dicts, matching `torch.optim` semantics.
 
-`step` takes an `active` mask of shape [K] (or a scalar): clients whose local budget is spent
-keep their parameters and optimizer state unchanged.
+`step` takes an `active` mask of shape [K] (or a scalar, or None when every client steps):
+clients whose local budget is spent keep their parameters and optimizer state unchanged.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def step(
     grads: Params,
     state: dict[str, Params],
     step_index: int,
-    active: torch.Tensor,
+    active: torch.Tensor | None,
 ) -> tuple[Params, dict[str, Params]]:
     """One optimizer step (`step_index` counts from 0) for every client where `active`."""
     new_params, new_state = {}, {key: {} for key in state}
@@ -37,7 +37,14 @@ def step(
         g = grads[name]
         if cfg.weight_decay:
             g = g + cfg.weight_decay * p
-        mask = per_row(active, p) if active.dim() else active
+        if active is None:
+            def keep(new, old):
+                return new
+        else:
+            mask = per_row(active, p) if active.dim() else active
+
+            def keep(new, old):
+                return torch.where(mask, new, old)
         if cfg.name == "adam":
             b1, b2 = cfg.betas
             m = b1 * state["exp_avg"][name] + (1 - b1) * g
@@ -45,15 +52,15 @@ def step(
             t = step_index + 1
             denom = (v.sqrt() / (1 - b2**t) ** 0.5) + cfg.eps
             update = (cfg.lr / (1 - b1**t)) * m / denom
-            new_state["exp_avg"][name] = torch.where(mask, m, state["exp_avg"][name])
-            new_state["exp_avg_sq"][name] = torch.where(mask, v, state["exp_avg_sq"][name])
+            new_state["exp_avg"][name] = keep(m, state["exp_avg"][name])
+            new_state["exp_avg_sq"][name] = keep(v, state["exp_avg_sq"][name])
         else:
             if cfg.momentum:
                 buf = cfg.momentum * state["momentum"][name] + g
-                new_state["momentum"][name] = torch.where(mask, buf, state["momentum"][name])
+                new_state["momentum"][name] = keep(buf, state["momentum"][name])
                 g = buf
             update = cfg.lr * g
-        new_params[name] = torch.where(mask, p - update, p)
+        new_params[name] = keep(p - update, p)
     return new_params, new_state
 
 

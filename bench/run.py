@@ -1,0 +1,306 @@
+"""Benchmark of the engine and its orchestration. Every figure is a ratio of setups timed side
+by side in this one run: repetitions interleave the setups, and each time is a median of
+`--reps` (at least 5), because shared machines are noisy.
+
+  P1  vectorized vs sequential executor: one round of the same work with the same seed
+  P2  Prefect vs inline orchestration of the default digits experiment's rounds
+  P3  per-round time at K=100 sampled clients for N = 100, 1,000, 10,000 clients of a
+      ~100k-parameter model with per-client state (Ditto), all in one process; peak RSS
+  profile  where one default training run's time goes, model math or not
+
+    make bench                        # = python -m bench.run
+    python -m bench.run --quick       # smaller K and reps: a smoke run
+
+Writes bench/results/<date>-<host>.json, .md and .png and prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import datetime
+import json
+import os
+import platform
+import pstats
+import resource
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import flows  # noqa: F401  (environment defaults)
+import torch
+
+from flows.train import InlineSteps, PrefectSteps, run_round
+from pfl_tasks.algorithms import build
+from pfl_tasks.algorithms.federation import Federation
+from pfl_tasks.config import load_params, parse_params
+from pfl_tasks.data import ClientSplit, FederatedData
+from pfl_tasks.engine.state import tree_bytes
+
+RESULTS = Path(__file__).parent / "results"
+HYPER = {"fedavg": {}, "fedprox": {"mu": 0.01}, "ditto": {"mu": 0.1},
+         "pfedme": {"lam": 15.0, "inner_steps": 5, "personal_lr": 0.01, "beta": 1.0}}
+MODELS = {"mlp": {"kind": "mlp", "hidden": [100]},  # 64-100-10
+          "cnn": {"kind": "cnn", "channels": [16, 32], "hidden": 64},  # the digits experiment's
+          "mlp100k": {"kind": "mlp", "hidden": [512, 128]}}  # 64-512-128-10: 100,234 parameters
+
+
+# ----------------------------------------------------------------------------- set-ups
+def digits_shaped(n_clients: int, per_client: int, image: bool, seed: int = 0) -> FederatedData:
+    """Random 8x8 'digits' with a learnable label rule, `per_client` train and a quarter of
+    that test samples per client."""
+    gen = torch.Generator().manual_seed(seed)
+    shape = (1, 8, 8) if image else (64,)
+
+    def split(n: int) -> ClientSplit:
+        x = torch.randn(n_clients * n, 64, generator=gen)
+        y = (x[:, :10].argmax(1) + torch.arange(n_clients).repeat_interleave(n)) % 10
+        counts = torch.full((n_clients,), n)
+        return ClientSplit(x.reshape(-1, *shape), y, torch.arange(n_clients) * n, counts)
+
+    return FederatedData("bench", "classification", 10, shape, split(per_client), split(max(1, per_client // 4)),
+                         "bench")
+
+
+def experiment(model: str, executor: str, clients_per_round: int, chunk_size: int = 128):
+    params = parse_params({
+        "datasets": {"bench": {"source": {"name": "digits"}}},
+        "experiments": {"bench": {"dataset": "bench", "model": MODELS[model]}},
+        "federation": {"rounds": 1, "clients_per_round": clients_per_round},
+        "local": {"steps": 10, "batch_size": 32, "optimizer": {"lr": 0.05}},
+        "engine": {"executor": executor, "device": "auto", "orchestrator": "inline", "chunk_size": chunk_size},
+        "algorithms": HYPER,
+    })
+    return params.experiment("bench")
+
+
+def interleaved(setups: dict, reps: int) -> dict[str, float]:
+    """Median seconds of each setup's callable; one warm-up call each, then `reps` rounds of
+    all setups in turn."""
+    for run in setups.values():
+        run()
+    times = {name: [] for name in setups}
+    for _ in range(reps):
+        for name, run in setups.items():
+            start = time.perf_counter()
+            run()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def one_round(fed: Federation):
+    state = fed.initial_state()
+    steps = InlineSteps(fed.exp.engine.max_workers)
+    return lambda: run_round(steps, fed, state, 0)
+
+
+# ----------------------------------------------------------------------------- P1
+def p1(reps: int, ks: list[int]) -> list[dict]:
+    cases = [("fedavg", "mlp", k) for k in ks] + [(alg, "mlp", ks[0]) for alg in ("fedprox", "ditto", "pfedme")]
+    cases.append(("fedavg", "cnn", ks[0]))
+    rows = []
+    for alg, model, k in cases:
+        data = digits_shaped(k, 50, image=model == "cnn")
+        feds = {ex: Federation(experiment(model, ex, k), build(alg, HYPER[alg]), data)
+                for ex in ("sequential", "vectorized")}
+        t = interleaved({ex: one_round(fed) for ex, fed in feds.items()}, reps)
+        rows.append({"case": f"P1 {alg} {model} K={k}", "sequential_s": t["sequential"],
+                     "vectorized_s": t["vectorized"], "ratio": t["sequential"] / t["vectorized"],
+                     "target": {("fedavg", "mlp", 100): 10, ("fedavg", "mlp", 1000): 20}.get((alg, model, k))})
+        print(f"  {rows[-1]['case']}: {rows[-1]['ratio']:.1f}x", flush=True)
+    return rows
+
+
+# ----------------------------------------------------------------------------- P2
+def p2(reps: int, rounds: int) -> dict:
+    from prefect import flow
+    from prefect.task_runners import ThreadPoolTaskRunner
+
+    from flows.prepare import prepare
+
+    params = load_params("params.yaml")
+    exp = params.experiment("digits").model_copy(update={"seed": 0})
+    with tempfile.TemporaryDirectory() as tmp:
+        from pfl_tasks.data import load_partition
+
+        data = load_partition(prepare("digits", "params.yaml", Path(tmp)))
+    fed = Federation(exp, build("fedavg", params.algorithms["fedavg"]), data)
+    every = exp.federation.eval_every
+
+    def rounds_with(steps):
+        state = fed.initial_state()
+        for r in range(rounds):
+            state = run_round(steps, fed, state, r)
+            if (r + 1) % every == 0:
+                steps.evaluate(fed, r + 1, state)
+
+    @flow(name="bench-rounds", persist_result=False,
+          task_runner=ThreadPoolTaskRunner(max_workers=exp.engine.max_workers))
+    def prefect_rounds():
+        rounds_with(PrefectSteps())
+
+    t = interleaved({"inline": lambda: rounds_with(InlineSteps(exp.engine.max_workers)),
+                     "prefect": prefect_rounds}, reps)
+    row = {"case": f"P2 digits fedavg, {rounds} rounds, {len(fed.chunks(fed.sample_clients(0)))} chunk(s)/round",
+           "inline_s_per_round": t["inline"] / rounds, "prefect_s_per_round": t["prefect"] / rounds,
+           "overhead": t["prefect"] / t["inline"] - 1, "target_max": 0.10}
+    print(f"  {row['case']}: overhead {100 * row['overhead']:.1f}%", flush=True)
+    return row
+
+
+# ----------------------------------------------------------------------------- P3
+def p3(reps: int, ns: list[int], k: int) -> dict:
+    feds = {}
+    for n in ns:
+        fed = Federation(experiment("mlp100k", "vectorized", k), build("ditto", HYPER["ditto"]),
+                         digits_shaped(n, 20, image=False))
+        feds[n] = (fed, fed.initial_state())
+    t = interleaved({n: (lambda f=f, s=s: run_round(InlineSteps(f.exp.engine.max_workers), f, s, 0))
+                     for n, (f, s) in feds.items()}, reps)
+    biggest, state = feds[max(ns)]
+    start = time.perf_counter()
+    biggest.evaluate(state)
+    eval_s = time.perf_counter() - start
+    params = sum(v.numel() for v in state.server["global"].values()) if "global" in state.server else None
+    row = {"case": f"P3 ditto mlp100k K={k}", "params": params,
+           "round_s": {str(n): t[n] for n in ns}, "ratio": max(t.values()) / min(t.values()), "target_max": 1.2,
+           "clients_state_bytes": tree_bytes(state.clients), "evaluate_all_s": eval_s,
+           "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    print(f"  {row['case']}: max/min {row['ratio']:.2f}, N={max(ns)} evaluation {eval_s:.1f}s, "
+          f"peak RSS {row['peak_rss_bytes'] / 2**30:.1f} GiB", flush=True)
+    return row
+
+
+# ----------------------------------------------------------------------------- profile
+def profile(rounds: int) -> dict:
+    """cProfile of one default digits training run (inline, FedAvg): shares of wall time."""
+    from flows.train import train_run
+
+    params = load_params("params.yaml")
+    exp = params.experiment("digits").model_copy(update={"seed": 0})
+    exp = exp.model_copy(update={"federation": exp.federation.model_copy(update={"rounds": rounds})})
+    with tempfile.TemporaryDirectory() as tmp:
+        from flows.prepare import prepare
+
+        prepare("digits", "params.yaml", Path(tmp) / "data" / "partitions")
+        prof = cProfile.Profile()
+        prof.enable()
+        train_run(exp, "fedavg", params.algorithms["fedavg"], Path(tmp), InlineSteps(2),
+                  tracking_uri=f"sqlite:///{tmp}/mlflow.db")
+        prof.disable()
+    stats = pstats.Stats(prof).stats  # (file, line, function) -> (calls, ..., total, cumulative, ...)
+    total = max(v[3] for v in stats.values())  # the outermost call's cumulative time
+
+    def share(*names: str, file: str = "") -> float:
+        return sum(v[3] for (f, _, name), v in stats.items() if name in names and f.endswith(file)) / total
+
+    shares = {
+        "local updates (model math)": share("local_update", file="federation.py"),
+        "evaluation": share("evaluate", file="federation.py"),
+        "checkpoints": share("save_checkpoint"),
+        "MLflow": share("__init__", "log_params_and_tags", "log_metrics", "log_artifacts", "finish",
+                        file="tracking.py"),
+        "learning-curve PNG": share("learning_curve_png"),
+    }
+    shares["rest (data loading, set-up)"] = 1 - sum(shares.values())
+    row = {"case": f"profile: digits fedavg, {rounds} rounds, inline", "total_s": total, "shares": shares}
+    print("  " + ", ".join(f"{k} {100 * v:.0f}%" for k, v in shares.items()), flush=True)
+    return row
+
+
+# ----------------------------------------------------------------------------- report
+def machine() -> dict:
+    return {"host": socket.gethostname(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+            "torch": torch.__version__, "python": platform.python_version()}
+
+
+def markdown(result: dict) -> str:
+    m = result["machine"]
+    lines = [f"# Benchmark {result['date']} on {m['host']}", "",
+             f"{m['cores']} cores, {m['torch_threads']} torch threads, device {m['device']}, torch {m['torch']}; "
+             f"medians of {result['reps']} interleaved repetitions.", "",
+             "| case | measured | ratio | target | met |", "|---|---|---|---|---|"]
+    for r in result["p1"]:
+        met = "" if r["target"] is None else ("yes" if r["ratio"] >= r["target"] else "NO")
+        lines.append(f"| {r['case']} (sequential / vectorized) | {r['sequential_s']:.3f}s / {r['vectorized_s']:.3f}s "
+                     f"| {r['ratio']:.1f}x | {'≥ %dx' % r['target'] if r['target'] else ''} | {met} |")
+    r = result["p2"]
+    lines.append(f"| {r['case']} (Prefect / inline, per round) | {r['prefect_s_per_round']:.3f}s / "
+                 f"{r['inline_s_per_round']:.3f}s | +{100 * r['overhead']:.1f}% | ≤ +10% | "
+                 f"{'yes' if r['overhead'] <= r['target_max'] else 'NO'} |")
+    r = result["p3"]
+    per_n = ", ".join(f"N={n}: {s:.3f}s" for n, s in r["round_s"].items())
+    lines.append(f"| {r['case']} (round time, max / min over N) | {per_n} | {r['ratio']:.2f}x | ≤ 1.2x "
+                 f"| {'yes' if r['ratio'] <= r['target_max'] else 'NO'} |")
+    lines += ["", f"P3 at N={max(map(int, r['round_s']))}: {r['params']:,} parameters per model, client state "
+              f"{r['clients_state_bytes'] / 2**30:.2f} GiB, evaluation of every client {r['evaluate_all_s']:.1f}s, "
+              f"peak RSS of the process {r['peak_rss_bytes'] / 2**30:.2f} GiB."]
+    if "profile" in result:
+        p = result["profile"]
+        lines += ["", f"{p['case']}: {p['total_s']:.1f}s; " + ", ".join(
+            f"{k} {100 * v:.0f}%" for k, v in p["shares"].items())]
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4))
+    p1 = result["p1"]
+    axes[0].barh([r["case"][3:] for r in p1], [r["ratio"] for r in p1])
+    for target in {r["target"] for r in p1 if r["target"]}:
+        axes[0].axvline(target, ls="--", color="gray")
+    axes[0].set(xlabel="sequential / vectorized", title="P1 speed-up", xscale="log")
+    p2 = result["p2"]
+    axes[1].bar(["inline", "prefect"], [p2["inline_s_per_round"], p2["prefect_s_per_round"]])
+    axes[1].set(ylabel="seconds per round", title=f"P2 Prefect overhead {100 * p2['overhead']:+.1f}%")
+    p3 = result["p3"]
+    axes[2].plot([int(n) for n in p3["round_s"]], list(p3["round_s"].values()), marker="o")
+    axes[2].set(xscale="log", xlabel="total clients N", ylabel="seconds per round (K=100)",
+                title=f"P3 max/min {p3['ratio']:.2f}x", ylim=(0, None))
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--quick", action="store_true", help="K=20/100 and N up to 1,000: a smoke run")
+    args = parser.parse_args(argv)
+    if args.reps < 5 and not args.quick:
+        parser.error("--reps must be at least 5")
+    reps = 2 if args.quick else args.reps
+    result = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "machine": machine(), "reps": reps}
+    print("P1 vectorized vs sequential", flush=True)
+    result["p1"] = p1(reps, [20, 100] if args.quick else [100, 1000])
+    print("P2 Prefect vs inline", flush=True)
+    result["p2"] = p2(reps, 5 if args.quick else 20)
+    print("P3 cost in sampled K, not total N", flush=True)
+    result["p3"] = p3(reps, [100, 1000] if args.quick else [100, 1000, 10_000], 100)
+    print("profile", flush=True)
+    result["profile"] = profile(5 if args.quick else 20)
+
+    RESULTS.mkdir(exist_ok=True)
+    stem = RESULTS / f"{datetime.date.today()}-{result['machine']['host']}{'-quick' if args.quick else ''}"
+    stem.with_suffix(".json").write_text(json.dumps(result, indent=1))
+    text = markdown(result)
+    stem.with_suffix(".md").write_text(text)
+    plot(result, stem.with_suffix(".png"))
+    print(text)
+    print(f"-> {stem}.json, .md, .png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
