@@ -11,7 +11,7 @@ export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS := 120
 export MLFLOW_SERVER_ENABLE_JOB_EXECUTION := false
 
-.PHONY: run test venv bench
+.PHONY: run test venv bench ray
 
 venv: $(VENV)/.installed
 
@@ -23,7 +23,13 @@ $(VENV)/.installed: requirements.txt requirements.lock
 run: venv
 	$(BIN)/dvc repro
 
-test: venv
+ray: $(VENV)/.ray-installed  # the optional Ray task runner
+
+$(VENV)/.ray-installed: requirements-ray.txt requirements.lock $(VENV)/.installed
+	$(BIN)/pip install --quiet --disable-pip-version-check -r requirements-ray.txt -c requirements.lock
+	touch $@
+
+test: venv ray
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 bench: venv  # P1-P3 ratios and a profile: bench/results/<date>-<host>.{json,md,png}

@@ -25,9 +25,10 @@ from prefect.task_runners import ThreadPoolTaskRunner
 
 from pfl_tasks.algorithms import build, validate_params
 from pfl_tasks.algorithms.federation import Federation, RunState
-from pfl_tasks.config import ConfigError, ResolvedExperiment, config_hash, load_params
+from pfl_tasks.config import ConfigError, EngineConfig, ResolvedExperiment, config_hash, load_params
 from pfl_tasks.data import DataValidationError, load_partition
 from pfl_tasks.engine.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from pfl_tasks.engine.state import gather
 from pfl_tasks.tracking import (
     MlflowRun,
     best_index,
@@ -78,8 +79,8 @@ def sample_clients(fed: Federation, round_idx: int):
 
 
 @task(**TASK_OPTIONS, task_run_name="round-{round_idx}/local_update-chunk-{chunk_idx}")
-def local_update(fed, round_idx: int, chunk_idx: int, payload, ids, clients):
-    return fed.local_update(round_idx, payload, ids, clients)
+def local_update(fed, round_idx: int, chunk_idx: int, payload, ids, rows):
+    return fed.local_update(round_idx, payload, ids, rows)
 
 
 @task(**TASK_OPTIONS, task_run_name="round-{round_idx}/aggregate")
@@ -98,19 +99,47 @@ def checkpoint(path: Path, round_idx: int, payload: dict):
 
 
 class PrefectSteps:
-    """Each step a Prefect task run; chunks are mapped onto the flow's task runner."""
+    """Each step a Prefect task run; chunks are mapped onto the flow's task runner, each with
+    only its own clients' rows of the client state."""
 
     sample = staticmethod(sample_clients)
     aggregate = staticmethod(aggregate)
     evaluate = staticmethod(evaluate)
     checkpoint = staticmethod(checkpoint)
 
-    @staticmethod
-    def local_updates(fed, round_idx, payload, chunks, clients):
+    def local_updates(self, fed, round_idx, payload, chunks, clients):
+        rows = [gather(clients, ids) for ids in chunks]
         return local_update.map(
-            unmapped(fed), round_idx, range(len(chunks)), unmapped(payload), chunks,
-            unmapped(clients),
+            unmapped(self.shared(fed)), round_idx, range(len(chunks)), unmapped(self.shared(payload)), chunks, rows,
         ).result()
+
+    def shared(self, value):
+        return value
+
+
+class RaySteps(PrefectSteps):
+    """For the Ray task runner: what every chunk shares goes into Ray's object store once (the
+    federation, with its data, once per run; the server payload once per round) and chunks
+    receive references; a chunk asks for a GPU when the driver has one."""
+
+    def __init__(self):
+        self._fed = None
+
+    def local_updates(self, fed, round_idx, payload, chunks, clients):
+        import torch
+        from prefect_ray.context import remote_options
+
+        with remote_options(num_gpus=1 if torch.cuda.is_available() else 0):
+            return super().local_updates(fed, round_idx, payload, chunks, clients)
+
+    def shared(self, value):
+        import ray
+
+        if isinstance(value, Federation):
+            if self._fed is None or self._fed[0] is not value:
+                self._fed = (value, ray.put(value))
+            return self._fed[1]
+        return ray.put(value)
 
 
 class InlineSteps:
@@ -124,7 +153,7 @@ class InlineSteps:
 
     def local_updates(self, fed, round_idx, payload, chunks, clients):
         def one(ids):
-            return fed.local_update(round_idx, payload, ids, clients)
+            return fed.local_update(round_idx, payload, ids, gather(clients, ids))
 
         if len(chunks) == 1:
             return [one(chunks[0])]
@@ -260,10 +289,27 @@ def train_flow(
 
     params = validate_params(load_params(params_path))
     exp = params.experiment(experiment).model_copy(update={"seed": seed})
+    steps = RaySteps() if exp.engine.task_runner == "ray" else PrefectSteps()
     return train_run(
-        exp, run_name, params.algorithms[run_name], Path(root), PrefectSteps(), on_config_change,
+        exp, run_name, params.algorithms[run_name], Path(root), steps, on_config_change,
         params.tracking.mlflow_uri, str(flow_run.id),
     )
+
+
+def task_runner(engine: EngineConfig):
+    """The flow's task runner. For Ray, one Ray connection serves every flow run of this
+    process: a local instance, or the cluster at `engine.ray_address`."""
+    if engine.task_runner == "thread":
+        return ThreadPoolTaskRunner(max_workers=engine.max_workers)
+    try:
+        import ray
+        from prefect_ray import RayTaskRunner
+    except ImportError:
+        raise ConfigError("engine.task_runner is 'ray' but prefect-ray is not installed: "
+                          "pip install -r requirements-ray.txt -c requirements.lock") from None
+    if not ray.is_initialized():
+        ray.init(address=engine.ray_address, include_dashboard=False, namespace="prefect")
+    return RayTaskRunner()
 
 
 def train_experiment(
@@ -278,8 +324,7 @@ def train_experiment(
     for run_name in exp.algorithms:
         for seed in exp.seeds:
             if exp.engine.orchestrator == "prefect":
-                runner = ThreadPoolTaskRunner(max_workers=exp.engine.max_workers)
-                results[run_name, seed] = train_flow.with_options(task_runner=runner)(
+                results[run_name, seed] = train_flow.with_options(task_runner=task_runner(exp.engine))(
                     experiment, run_name, seed, params_path, root, on_config_change
                 )
             else:

@@ -241,7 +241,9 @@ class EngineConfig(Strict):
     chunk_size: PositiveInt = 128
     device: Literal["auto", "cpu", "cuda"] = "auto"
     orchestrator: Literal["prefect", "inline"] = "prefect"
-    max_workers: PositiveInt = 2
+    max_workers: PositiveInt = 2  # the thread task runner's (and inline orchestrator's) threads
+    task_runner: Literal["thread", "ray"] = "thread"  # ray: chunks run on Ray workers (pip install prefect-ray)
+    ray_address: str | None = None  # join this Ray cluster ("auto" or host:port); None: a local Ray
 
 
 class TrackingConfig(Strict):

@@ -88,7 +88,7 @@ def test_head_stays_on_client_and_beats_fedavg_when_heads_differ(algorithm):
     head = {"3.weight", "3.bias"}
     assert not head & set(state.server["body"])
     payload = fed.algorithm.payload(state.server)
-    result = fed.local_update(0, payload, torch.arange(6), state.clients)
+    result = fed.local_update(0, payload, torch.arange(6), state.clients)  # all 6 clients: rows = stacks
     assert not head & set(result.messages["body"]) and set(result.clients["head"]) == head
     acc = fed.evaluate(state)["personalized"]["acc"].mean().item()
     avg_fed, avg_state = run_on(data, "fedavg")
