@@ -99,6 +99,13 @@ def test_batches_stay_inside_each_client_and_are_reproducible():
     # a client's draws do not depend on who else is in its chunk
     alone = batch_schedule(counts[1:2], ids[1:2], local, seed=0, round_idx=2, stream=0)
     assert torch.equal(alone.index[0], a.index[1][:, :16])
+    # draws are whole epochs: every row once before any row twice
+    for k, n in enumerate(counts.tolist()):
+        drawn = a.index[k][a.mask[k]]
+        for epoch in drawn[: len(drawn) // n * n].view(-1, n):
+            assert sorted(epoch.tolist()) == list(range(n))
+        assert len(set(drawn[len(drawn) // n * n:].tolist())) == len(drawn) % n
+    assert not torch.equal(a.index[1], batch_schedule(counts, ids, local, 0, 2, stream=1).index[1])
 
 
 def test_epochs_budget_gives_each_client_its_own_step_count():

@@ -61,28 +61,45 @@ class Schedule:
     active: torch.Tensor  # [K, S] steps inside each client's budget
 
 
+def _mix(x: np.ndarray) -> np.ndarray:
+    """SplitMix64's finalizer: a counter-based hash of uint64 (wrapping arithmetic)."""
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
 def batch_schedule(
     counts: torch.Tensor, client_ids: torch.Tensor, local: LocalConfig, seed: int,
     round_idx: int, stream: int,
 ) -> Schedule:
     """Minibatches for every step: epochs of seeded per-client permutations, each client
-    sampling only its own data. Batch size is min(batch_size, n_k); full batch when None."""
-    sizes = [int(n) for n in counts]
-    batch = [n if local.batch_size is None else min(local.batch_size, n) for n in sizes]
-    steps = [
-        local.steps if local.steps is not None else local.epochs * -(-n // b)
-        for n, b in zip(sizes, batch)
-    ]
-    k, s_max, b_max = len(sizes), max(steps), max(batch)
-    index = torch.zeros(k, s_max, b_max, dtype=torch.long)
-    mask = torch.zeros(k, s_max, b_max, dtype=torch.bool)
-    for i, (n, b, s, cid) in enumerate(zip(sizes, batch, steps, client_ids.tolist())):
-        gen = torch.Generator().manual_seed(client_seed(seed, round_idx, cid, stream))
-        need = s * b
-        order = torch.rand(-(-need // n), n, generator=gen).argsort(1).flatten()  # whole epochs
-        index[i, :s, :b] = order[:need].view(s, b)
-        mask[i, :s, :b] = True
-    active = torch.arange(s_max)[None, :] < torch.tensor(steps)[:, None]
+    sampling only its own data. Batch size is min(batch_size, n_k); full batch when None.
+    Client k's permutation r sorts the hashes of (key_k, r, j) over its rows j, where key_k
+    hashes (seed, round, stream, client): the draws are counter-based, so a client's batches
+    do not depend on its chunk, the executor or the resume point. Vectorized over clients."""
+    n = counts.long()
+    b = n if local.batch_size is None else n.clamp(max=local.batch_size)
+    steps = torch.full_like(n, local.steps) if local.steps is not None else local.epochs * -(-n // b)
+    epochs = -(-(steps * b) // n)  # permutations each client needs
+    with np.errstate(over="ignore"):
+        key = np.uint64(seed)
+        for part in (round_idx, stream):
+            key = _mix(np.asarray(key ^ np.uint64(part)) + np.uint64(0x9E3779B97F4A7C15))
+        keys = _mix((client_ids.numpy().astype(np.uint64) ^ key) + np.uint64(0x9E3779B97F4A7C15))
+        r = np.arange(int(epochs.max()), dtype=np.uint64)[:, None] << np.uint64(32)
+        j = np.arange(int(n.max()), dtype=np.uint64)[None, :]
+        hashes = _mix(keys[:, None, None] ^ _mix(r + j + np.uint64(1)))  # [K, R, N]
+    not_its_rows = np.arange(hashes.shape[-1]) >= n.numpy()[:, None, None]
+    hashes = np.where(not_its_rows, np.iinfo(np.uint64).max, hashes)  # sorted last
+    perms = torch.from_numpy(np.argsort(hashes, axis=-1, kind="stable"))  # row r: a permutation of 0..n_k-1 first
+
+    s_max, b_max = int(steps.max()), int(b.max())
+    step, slot = torch.arange(s_max)[None, :, None], torch.arange(b_max)[None, None, :]
+    mask = (step < steps[:, None, None]) & (slot < b[:, None, None])
+    t = (step * b[:, None, None] + slot) * mask  # position in the client's stream of epochs
+    nk = n[:, None, None]
+    index = perms[torch.arange(len(n))[:, None, None], t // nk, t % nk] * mask
+    active = torch.arange(s_max)[None, :] < steps[:, None]
     return Schedule(index, mask, active)
 
 
