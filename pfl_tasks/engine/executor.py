@@ -49,8 +49,8 @@ def data_objective(data_loss, params, aux):
 
 
 def client_seed(seed: int, round_idx: int, client_id: int, stream: int) -> int:
-    """Counter-based seed: the same (seed, round, client, stream) always draws the same batches,
-    whatever the chunking, executor or resume point."""
+    """Counter-based seed for a client's own draws (e.g. FedCR's noise): the same (seed, round,
+    client, stream) always draws the same numbers, whatever the chunking, executor or resume point."""
     return int(np.random.SeedSequence([seed, round_idx, client_id, stream]).generate_state(1)[0])
 
 
