@@ -14,12 +14,7 @@ from typing import Annotated, Any, Literal, Union
 
 import yaml
 from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    ValidationError,
-    field_validator,
-    model_validator,
+    BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator,
 )
 
 PositiveInt = Annotated[int, Field(gt=0)]

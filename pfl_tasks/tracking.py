@@ -104,7 +104,7 @@ def learning_curve_png(path: Path, history: list[dict], task: str, title: str) -
 
 def progress(desc: str, total: int, done: int, unit: str):
     """A terminal progress bar (done/total, rate, ETA, latest metric as postfix); off when
-    stdout is not a terminal or under CI, where the per-evaluation log lines remain."""
+    stderr (tqdm's stream) is not a terminal or under CI, where the per-evaluation log lines remain."""
     from tqdm import tqdm
 
     return tqdm(total=total, initial=done, desc=desc, unit=unit, dynamic_ncols=True,

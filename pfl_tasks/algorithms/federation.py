@@ -87,13 +87,13 @@ class Federation:
     def chunks(self, ids: torch.Tensor) -> list[torch.Tensor]:
         return list(torch.split(ids, self.exp.engine.chunk_size))
 
-    def local_update(self, round_idx: int, payload: Tree, ids: torch.Tensor, rows: Tree) -> ChunkResult:
-        """Local work of clients `ids`, whose state is `rows` (their rows of the client stacks)."""
+    def local_update(self, round_idx: int, payload: Tree, ids: torch.Tensor, client_rows: Tree) -> ChunkResult:
+        """Local work of clients `ids`, whose state is `client_rows` (their rows of the client stacks)."""
         trainer = make_trainer(
             self.exp.engine.executor, self.fresh_net(), self.task, self.train, ids, self.exp.local,
             self.exp.seed, round_idx,
         )
-        state = to_device(rows, self.device)
+        state = to_device(client_rows, self.device)
         shared, rows = self.algorithm.download(payload, ids.to(self.device))
         messages, new_state = self.algorithm.client_update(trainer, {**shared, **rows}, state)
         new_state = tree_map(lambda t: t.cpu(), new_state)

@@ -26,7 +26,7 @@ from torch.func import functional_call, grad, vmap
 from pfl_tasks.config import LocalConfig
 from pfl_tasks.data import ClientSplit
 from pfl_tasks.engine import optim
-from pfl_tasks.engine.state import Params, Stack, Tree, per_row, tree_map, tree_zip
+from pfl_tasks.engine.state import Params, Stack, Tree, tree_map, tree_zip, where_active
 
 DataLoss = Callable[[Params], torch.Tensor]
 Objective = Callable[[DataLoss, Params, Tree], torch.Tensor]
@@ -189,7 +189,7 @@ class VectorizedTrainer(LocalTrainer):
             x, y, mask = self._batch(sched, s)
             extra = tree_map(lambda t: t[:, s], per_step)
             new = stepped(carry, x, y, mask.to(x.dtype), aux or {}, extra)
-            carry = new if active is None else tree_zip(lambda n, o: torch.where(per_row(active, n), n, o), new, carry)
+            carry = tree_zip(lambda n, o: where_active(active, n, o), new, carry)
         return carry
 
     def _active(self, sched: Schedule) -> list[torch.Tensor | None]:

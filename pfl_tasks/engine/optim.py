@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from pfl_tasks.config import OptimizerConfig
-from pfl_tasks.engine.state import Params, per_row
+from pfl_tasks.engine.state import Params, where_active
 
 
 def init_state(cfg: OptimizerConfig, params: Params) -> dict[str, Params]:
@@ -37,14 +37,6 @@ def step(
         g = grads[name]
         if cfg.weight_decay:
             g = g + cfg.weight_decay * p
-        if active is None:
-            def keep(new, old):
-                return new
-        else:
-            mask = per_row(active, p) if active.dim() else active
-
-            def keep(new, old):
-                return torch.where(mask, new, old)
         if cfg.name == "adam":
             b1, b2 = cfg.betas
             m = b1 * state["exp_avg"][name] + (1 - b1) * g
@@ -52,15 +44,15 @@ def step(
             t = step_index + 1
             denom = (v.sqrt() / (1 - b2**t) ** 0.5) + cfg.eps
             update = (cfg.lr / (1 - b1**t)) * m / denom
-            new_state["exp_avg"][name] = keep(m, state["exp_avg"][name])
-            new_state["exp_avg_sq"][name] = keep(v, state["exp_avg_sq"][name])
+            new_state["exp_avg"][name] = where_active(active, m, state["exp_avg"][name])
+            new_state["exp_avg_sq"][name] = where_active(active, v, state["exp_avg_sq"][name])
         else:
             if cfg.momentum:
                 buf = cfg.momentum * state["momentum"][name] + g
-                new_state["momentum"][name] = keep(buf, state["momentum"][name])
+                new_state["momentum"][name] = where_active(active, buf, state["momentum"][name])
                 g = buf
             update = cfg.lr * g
-        new_params[name] = keep(p - update, p)
+        new_params[name] = where_active(active, p - update, p)
     return new_params, new_state
 
 
