@@ -1,10 +1,10 @@
 """Prefect flows and the thin entry points that `dvc.yaml` stages call.
 
 Defaults keep every run local and quiet: no telemetry, a generous ephemeral-server start.
-Without PREFECT_API_URL each process starts a temporary Prefect server; stopped at exit, it
-drops its last in-flight task-run events and logs a traceback for each (an upstream race that
-leaves results untouched), so its own log is limited to critical messages. A real server
-(PREFECT_API_URL) logs as configured.
+Without PREFECT_API_URL each process starts a temporary Prefect server, set to record task runs
+in batches; stopped at exit, it drops its last in-flight task-run events and logs a traceback
+for each (an upstream race that leaves results untouched), so its own log is limited to
+critical messages. A real server (PREFECT_API_URL) runs and logs as configured.
 """
 
 import os
@@ -20,4 +20,15 @@ for _key, _value in {
     os.environ.setdefault(_key, _value)
 
 if "PREFECT_API_URL" not in os.environ:
-    os.environ.setdefault("PREFECT_LOGGING_SERVER_LEVEL", "CRITICAL")
+    for _key, _value in {
+        "PREFECT_LOGGING_SERVER_LEVEL": "CRITICAL",
+        # the server records task runs from their events one database write each by default:
+        # about 50 ms of CPU a task run on 2 cores, competing with training; in batches it is
+        # about 20 ms. No automations run here, so their trigger service is off. (bench P2)
+        "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_BATCH_SIZE": "50",
+        "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_FLUSH_INTERVAL": "1",
+        "PREFECT_SERVER_SERVICES_EVENT_PERSISTER_BATCH_SIZE": "100",
+        "PREFECT_SERVER_SERVICES_EVENT_PERSISTER_FLUSH_INTERVAL": "1",
+        "PREFECT_SERVER_SERVICES_TRIGGERS_ENABLED": "false",
+    }.items():
+        os.environ.setdefault(_key, _value)

@@ -2,8 +2,9 @@
 
 Per round the flow runs tasks `sample_clients` -> `local_update` (mapped over client chunks,
 in parallel on the task runner) -> `aggregate`, then `evaluate` every `eval_every` rounds and
-`checkpoint` every `checkpoint_every` rounds. `engine.orchestrator: inline` runs the very same
-steps as plain calls, to measure Prefect's cost and to keep unit tests fast.
+`checkpoint` every `checkpoint_every` rounds. `engine.round_tasks: round` makes each round one
+task instead (a third of the task runs). `engine.orchestrator: inline` runs the very same steps
+as plain calls, to measure Prefect's cost and to keep unit tests fast.
 
     python -m flows.train <experiment> [--on-config-change refuse|restart|resume]
 """
@@ -98,6 +99,11 @@ def checkpoint(path: Path, round_idx: int, payload: dict):
     save_checkpoint(path, payload)
 
 
+@task(**TASK_OPTIONS, task_run_name="round-{round_idx}")
+def federated_round(steps, fed, round_idx: int, state):
+    return run_round(steps, fed, state, round_idx)
+
+
 class PrefectSteps:
     """Each step a Prefect task run; chunks are mapped onto the flow's task runner, each with
     only its own clients' rows of the client state."""
@@ -106,6 +112,9 @@ class PrefectSteps:
     aggregate = staticmethod(aggregate)
     evaluate = staticmethod(evaluate)
     checkpoint = staticmethod(checkpoint)
+
+    def round(self, fed, state, round_idx):
+        return run_round(self, fed, state, round_idx)
 
     def local_updates(self, fed, round_idx, payload, chunks, clients):
         rows = [gather(clients, ids) for ids in chunks]
@@ -148,6 +157,9 @@ class InlineSteps:
     def __init__(self, max_workers: int):
         self.max_workers = max_workers
 
+    def round(self, fed, state, round_idx):
+        return run_round(self, fed, state, round_idx)
+
     def sample(self, fed, round_idx):
         return fed.sample_clients(round_idx)
 
@@ -168,6 +180,23 @@ class InlineSteps:
 
     def checkpoint(self, path, round_idx, payload):
         save_checkpoint(path, payload)
+
+
+class RoundSteps(PrefectSteps):
+    """`engine.round_tasks: round`: a round is one task run, `round-N`, that samples, runs the
+    chunks on its own threads and aggregates; evaluate and checkpoint stay tasks."""
+
+    def __init__(self, max_workers: int):
+        self.inline = InlineSteps(max_workers)
+
+    def round(self, fed, state, round_idx):
+        return federated_round(self.inline, fed, round_idx, state)
+
+
+def prefect_steps(engine: EngineConfig):
+    if engine.task_runner == "ray":
+        return RaySteps()
+    return RoundSteps(engine.max_workers) if engine.round_tasks == "round" else PrefectSteps()
 
 
 # ----------------------------------------------------------------------------- one run
@@ -248,7 +277,7 @@ def train_run(
 
     bar = progress(f"{exp.name}/{run_name}/seed{exp.seed}", fedcfg.rounds, state.round, "round")
     for round_idx in range(state.round, fedcfg.rounds):
-        state = run_round(steps, fed, state, round_idx)
+        state = steps.round(fed, state, round_idx)
         comm = [comm[0] + state.bytes_up, comm[1] + state.bytes_down]
         done = state.round
         if done % fedcfg.eval_every == 0 or done == fedcfg.rounds:
@@ -289,9 +318,8 @@ def train_flow(
 
     params = validate_params(load_params(params_path))
     exp = params.experiment(experiment).model_copy(update={"seed": seed})
-    steps = RaySteps() if exp.engine.task_runner == "ray" else PrefectSteps()
     return train_run(
-        exp, run_name, params.algorithms[run_name], Path(root), steps, on_config_change,
+        exp, run_name, params.algorithms[run_name], Path(root), prefect_steps(exp.engine), on_config_change,
         params.tracking.mlflow_uri, str(flow_run.id),
     )
 

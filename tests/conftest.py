@@ -105,6 +105,40 @@ def prefect_harness():
         yield
 
 
+def train_tiny(root, prepared_digits, experiment: str = "tiny", **engine) -> dict:
+    """FedAvg and Ditto, 2 rounds of 2 chunks under Prefect with these engine settings:
+    their final metrics and checkpoints."""
+    import shutil
+
+    import yaml
+
+    from flows.train import RunPaths, train_experiment
+
+    shutil.copytree(prepared_digits, root / "data" / "partitions" / "digits")
+    data = tiny_params(algorithms=["fedavg", "ditto"])
+    data["experiments"][experiment] = data["experiments"].pop("tiny")
+    data["algorithms"]["ditto"] = {"mu": 0.1}
+    data["engine"] = {"orchestrator": "prefect", "device": "cpu", "chunk_size": 4, **engine}
+    data["federation"] = {"rounds": 2, "eval_every": 1, "checkpoint_every": 2}
+    data["tracking"] = {"mlflow_uri": mlflow_uri()}
+    (root / "params.yaml").write_text(yaml.safe_dump(data))
+    finals = train_experiment(experiment, str(root / "params.yaml"), str(root))
+    checkpoints = {alg: torch.load(RunPaths.of(root, experiment, alg, 0).checkpoint, weights_only=True)
+                   for alg in ("fedavg", "ditto")}
+    return {"finals": finals, "checkpoints": checkpoints}
+
+
+def assert_same_runs(a: dict, b: dict):
+    """`train_tiny` results with equal metrics and bit-identical server and client states."""
+    assert a["finals"] == b["finals"]
+    for alg in ("fedavg", "ditto"):
+        for part in ("server", "clients"):
+            flat_a = torch.utils._pytree.tree_flatten(a["checkpoints"][alg][part])[0]
+            flat_b = torch.utils._pytree.tree_flatten(b["checkpoints"][alg][part])[0]
+            assert len(flat_a) == len(flat_b) > 0 or (alg, part) == ("fedavg", "clients")
+            assert all(torch.equal(x, y) for x, y in zip(flat_a, flat_b)), (alg, part)
+
+
 def lsq_federation(algorithm, hp=None, steps=1, lr=0.05, rounds=300, executor="vectorized"):
     """Run `algorithm` on the least-squares clients with full-batch local GD."""
     from flows.train import InlineSteps, run_round

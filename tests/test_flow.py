@@ -1,9 +1,11 @@
 """The Prefect round flow end to end on tiny data, and what it leaves in MLflow."""
 
+import time
+
 import pytest
 import yaml
 
-from conftest import mlflow_uri, tiny_params
+from conftest import assert_same_runs, mlflow_uri, tiny_params, train_tiny
 
 pytestmark = pytest.mark.slow
 
@@ -77,3 +79,33 @@ def test_progress_bar_shows_on_a_terminal_only_and_never_under_ci(monkeypatch):
     bar.close()
     monkeypatch.setenv("CI", "true")
     assert progress("run", 10, 0, "round").disable
+
+
+def test_one_task_per_round_is_bit_identical_to_a_task_per_step(tmp_path, prepared_digits, prefect_harness,
+                                                                 monkeypatch):
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    (tmp_path / "steps").mkdir()
+    (tmp_path / "round").mkdir()
+    per_step = train_tiny(tmp_path / "steps", prepared_digits, "tiny_steps", round_tasks="steps")
+    per_round = train_tiny(tmp_path / "round", prepared_digits, "tiny_round", round_tasks="round")
+    assert_same_runs(per_step, per_round)
+
+    def task_names(flow_run: str, expected: set[str]) -> set[str]:
+        """The flow run's task-run names once `expected` are recorded (the server records
+        task runs from events, a moment after they ran), or after 30 s."""
+        deadline = time.monotonic() + 30
+        while True:
+            with get_client(sync_client=True) as client:
+                runs = client.read_task_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[flow_run])))
+            names = {t.name for t in runs}
+            if expected <= names or time.monotonic() > deadline:
+                return names
+            time.sleep(0.5)
+
+    per_round_tasks = {"round-0", "round-1", "round-1/evaluate", "round-2/evaluate", "round-2/checkpoint"}
+    assert task_names("tiny_round-ditto-seed0", per_round_tasks) == per_round_tasks
+    per_step_tasks = {"round-0/sample_clients", "round-0/local_update-chunk-1", "round-0/aggregate"}
+    assert per_step_tasks <= task_names("tiny_steps-ditto-seed0", per_step_tasks)
