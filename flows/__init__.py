@@ -23,8 +23,8 @@ if "PREFECT_API_URL" not in os.environ:
     for _key, _value in {
         "PREFECT_LOGGING_SERVER_LEVEL": "CRITICAL",
         # the server records task runs from their events one database write each by default:
-        # about 50 ms of CPU a task run on 2 cores, competing with training; in batches it is
-        # about 20 ms. No automations run here, so their trigger service is off. (bench P2)
+        # 50-60 ms of CPU a task run on 2 cores, competing with training; in batches 20-30 ms.
+        # No automations run here, so their trigger service is off. (bench P2)
         "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_BATCH_SIZE": "50",
         "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_FLUSH_INTERVAL": "1",
         "PREFECT_SERVER_SERVICES_EVENT_PERSISTER_BATCH_SIZE": "100",

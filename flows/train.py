@@ -3,8 +3,8 @@
 Per round the flow runs tasks `sample_clients` -> `local_update` (mapped over client chunks,
 in parallel on the task runner) -> `aggregate`, then `evaluate` every `eval_every` rounds and
 `checkpoint` every `checkpoint_every` rounds. `engine.round_tasks: round` makes each round one
-task instead (a third of the task runs). `engine.orchestrator: inline` runs the very same steps
-as plain calls, to measure Prefect's cost and to keep unit tests fast.
+task run instead of 2 + one per chunk. `engine.orchestrator: inline` runs the very same steps as
+plain calls, to measure Prefect's cost and to keep unit tests fast.
 
     python -m flows.train <experiment> [--on-config-change refuse|restart|resume]
 """
@@ -182,9 +182,12 @@ class InlineSteps:
         save_checkpoint(path, payload)
 
 
-class RoundSteps(PrefectSteps):
+class RoundSteps:
     """`engine.round_tasks: round`: a round is one task run, `round-N`, that samples, runs the
     chunks on its own threads and aggregates; evaluate and checkpoint stay tasks."""
+
+    evaluate = staticmethod(evaluate)
+    checkpoint = staticmethod(checkpoint)
 
     def __init__(self, max_workers: int):
         self.inline = InlineSteps(max_workers)

@@ -240,7 +240,7 @@ class EngineConfig(Strict):
     task_runner: Literal["thread", "ray"] = "thread"  # ray: chunks run on Ray workers (pip install prefect-ray)
     ray_address: str | None = None  # join this Ray cluster ("auto" or host:port); None: a local Ray
     # steps: tasks sample_clients, local_update per chunk, aggregate. round: one task per round
-    # (its chunks on the task's threads): a third of the task runs, so less Prefect overhead
+    # (its chunks on the task's threads) instead of 2 + one per chunk: less Prefect overhead
     round_tasks: Literal["steps", "round"] = "steps"
 
     @model_validator(mode="after")

@@ -94,16 +94,20 @@ def test_one_task_per_round_is_bit_identical_to_a_task_per_step(tmp_path, prepar
     assert_same_runs(per_step, per_round)
 
     def task_names(flow_run: str, expected: set[str]) -> set[str]:
-        """The flow run's task-run names once `expected` are recorded (the server records
-        task runs from events, a moment after they ran), or after 30 s."""
+        """The flow run's task-run names once `expected` are recorded and the next flush of
+        the server's batches is in (it records task runs from events, after they ran), or
+        after 30 s."""
         deadline = time.monotonic() + 30
-        while True:
+
+        def read() -> set[str]:
             with get_client(sync_client=True) as client:
                 runs = client.read_task_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[flow_run])))
-            names = {t.name for t in runs}
-            if expected <= names or time.monotonic() > deadline:
-                return names
+            return {t.name for t in runs}
+
+        while not expected <= read() and time.monotonic() < deadline:
             time.sleep(0.5)
+        time.sleep(2)
+        return read()
 
     per_round_tasks = {"round-0", "round-1", "round-1/evaluate", "round-2/evaluate", "round-2/checkpoint"}
     assert task_names("tiny_round-ditto-seed0", per_round_tasks) == per_round_tasks
