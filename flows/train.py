@@ -112,9 +112,7 @@ class PrefectSteps:
     aggregate = staticmethod(aggregate)
     evaluate = staticmethod(evaluate)
     checkpoint = staticmethod(checkpoint)
-
-    def round(self, fed, state, round_idx):
-        return run_round(self, fed, state, round_idx)
+    round = run_round
 
     def local_updates(self, fed, round_idx, payload, chunks, clients):
         rows = [gather(clients, ids) for ids in chunks]
@@ -157,8 +155,7 @@ class InlineSteps:
     def __init__(self, max_workers: int):
         self.max_workers = max_workers
 
-    def round(self, fed, state, round_idx):
-        return run_round(self, fed, state, round_idx)
+    round = run_round
 
     def sample(self, fed, round_idx):
         return fed.sample_clients(round_idx)
