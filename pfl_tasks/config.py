@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
@@ -17,9 +18,17 @@ from pydantic import (
     BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator,
 )
 
-PositiveInt = Annotated[int, Field(gt=0)]
-PositiveFloat = Annotated[float, Field(gt=0)]
-Fraction = Annotated[float, Field(gt=0, lt=1)]
+# strict: a boolean or a string is no number (YAML's `rounds: true` is an error, not 1)
+PositiveInt = Annotated[int, Field(gt=0, strict=True)]
+PositiveFloat = Annotated[float, Field(gt=0, strict=True)]
+Fraction = Annotated[float, Field(gt=0, lt=1, strict=True)]
+Float = Annotated[float, Field(strict=True)]
+Bool = Annotated[bool, Field(strict=True)]
+Seed = Annotated[int, Field(ge=0, strict=True)]
+Seeds = Annotated[list[Seed], Field(min_length=1)]
+# experiment, dataset, algorithm and table names become path components and MLflow names
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
+Name = Annotated[str, Field(pattern=NAME_PATTERN)]
 
 
 class ConfigError(ValueError):
@@ -27,7 +36,7 @@ class ConfigError(ValueError):
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     @model_validator(mode="before")
     @classmethod
@@ -46,13 +55,13 @@ class SyntheticSource(Strict):
     """FedProx Synthetic(alpha, beta) (Li et al., MLSys 2020, sec. 5.1)."""
 
     name: Literal["synthetic"]
-    alpha: Annotated[float, Field(ge=0)] = 0.5
-    beta: Annotated[float, Field(ge=0)] = 0.5
+    alpha: Annotated[float, Field(strict=True, ge=0)] = 0.5
+    beta: Annotated[float, Field(strict=True, ge=0)] = 0.5
     n_clients: PositiveInt = 30
     dim: PositiveInt = 60
-    n_classes: Annotated[int, Field(ge=2)] = 10
-    size_log_mean: float = 4.0
-    size_log_sigma: Annotated[float, Field(ge=0)] = 2.0
+    n_classes: Annotated[int, Field(strict=True, ge=2)] = 10
+    size_log_mean: Float = 4.0
+    size_log_sigma: Annotated[float, Field(strict=True, ge=0)] = 2.0
     size_min: PositiveInt = 50
     size_max: PositiveInt | None = None
 
@@ -70,7 +79,7 @@ class PolynomialSource(Strict):
     setting: Literal[1, 2, 3] = 1
     n_clients: PositiveInt = 5
     n_points: PositiveInt = 1000
-    noise: Annotated[float, Field(ge=0)] = 0.1
+    noise: Annotated[float, Field(strict=True, ge=0)] = 0.1
 
 
 CHICAGO_STATIONS = (  # the station columns of modeldata::Chicago, in its order
@@ -135,7 +144,7 @@ class DirichletPartition(Strict):
     kind: Literal["dirichlet"]
     n_clients: PositiveInt
     alpha: PositiveFloat
-    min_samples: Annotated[int, Field(ge=2)] = 10
+    min_samples: Annotated[int, Field(strict=True, ge=2)] = 10
 
 
 class ShardsPartition(Strict):
@@ -170,17 +179,17 @@ class DatasetConfig(Strict):
 # ----------------------------------------------------------------------------- nets
 class LinearNet(Strict):
     kind: Literal["linear"]
-    bias: bool = True
+    bias: Bool = True
 
 
 class MLPNet(Strict):
     kind: Literal["mlp"]
-    hidden: list[PositiveInt] = [100]
+    hidden: Annotated[list[PositiveInt], Field(min_length=1)] = [100]
 
 
 class CNNNet(Strict):
     kind: Literal["cnn"]
-    channels: list[PositiveInt] = [32, 64]
+    channels: Annotated[list[PositiveInt], Field(min_length=1)] = [32, 64]
     hidden: PositiveInt = 128
 
 
@@ -199,8 +208,8 @@ NetConfig = Annotated[Union[LinearNet, MLPNet, CNNNet, LSTMNet], Field(discrimin
 class OptimizerConfig(Strict):
     name: Literal["sgd", "adam"] = "sgd"
     lr: PositiveFloat = 0.05
-    momentum: Annotated[float, Field(ge=0, lt=1)] = 0.0
-    weight_decay: Annotated[float, Field(ge=0)] = 0.0
+    momentum: Annotated[float, Field(strict=True, ge=0, lt=1)] = 0.0
+    weight_decay: Annotated[float, Field(strict=True, ge=0)] = 0.0
     betas: tuple[Fraction, Fraction] = (0.9, 0.999)
     eps: PositiveFloat = 1e-8
 
@@ -225,10 +234,13 @@ class LocalConfig(Strict):
 
 class FederationConfig(Strict):
     rounds: PositiveInt = 30
-    participation: Annotated[float, Field(gt=0, le=1)] = 1.0
+    participation: Annotated[float, Field(strict=True, gt=0, le=1)] = 1.0
     clients_per_round: PositiveInt | None = None  # overrides participation when set
     eval_every: PositiveInt = 5
     checkpoint_every: PositiveInt = 5
+    # probability that a sampled client fails to report in a round (drawn per seed, round and
+    # client): the round aggregates the clients that reported; one where none did is skipped
+    dropout: Annotated[float, Field(ge=0, lt=1, strict=True)] = 0.0
 
 
 class EngineConfig(Strict):
@@ -253,10 +265,13 @@ class EngineConfig(Strict):
 
 class TrackingConfig(Strict):
     mlflow_uri: str = "sqlite:///mlflow.db"  # MLFLOW_TRACKING_URI overrides
+    # a locked or unreachable store is retried with backoff this long, then the run fails
+    # (checkpointed, resumable)
+    retry_seconds: PositiveFloat = 120.0
 
 
 # ----------------------------------------------------------------------------- Learn2pFed
-AboveFloor = Annotated[float, Field(gt=1e-5)]  # Theta's values are exp(raw) + 1e-6
+AboveFloor = Annotated[float, Field(strict=True, gt=1e-5)]  # Theta's values are exp(raw) + 1e-6
 
 
 class CellInit(Strict):
@@ -290,8 +305,8 @@ class Learn2pFedConfig(Strict):
     one run per supervision signal and seed of the experiment."""
 
     cells: PositiveInt = 10
-    tied: bool = True  # one Theta for every cell; False: one per cell
-    bias: bool = False  # regression: append a constant feature
+    tied: Bool = True  # one Theta for every cell; False: one per cell
+    bias: Bool = False  # regression: append a constant feature
     v_steps: PositiveInt = 5  # classification: gradient steps per v-step
     v_lr: PositiveFloat = 0.1  # [choice] by hand, as the paper says; 0.5 made the meta loss oscillate on digits
     init: CellInit = CellInit()
@@ -312,17 +327,25 @@ class ExperimentConfig(Strict):
     dataset: str
     model: NetConfig
     algorithms: list[str] | None = None  # None: every algorithm under `algorithms`
-    seeds: Annotated[list[int], Field(min_length=1)] | None = None  # one run each; None: [seed]
+    seeds: Seeds | None = None  # one run each; None: [seed]
     federation: dict[str, Any] = {}  # overrides of the top-level section
     local: dict[str, Any] = {}
+
+    @field_validator("seeds")
+    @classmethod
+    def _distinct(cls, seeds: list[int] | None) -> list[int] | None:
+        repeated = sorted({s for s in seeds or [] if seeds.count(s) > 1})
+        if repeated:
+            raise ValueError(f"seeds listed twice: {repeated}")
+        return seeds
 
 
 class ResolvedExperiment(Strict):
     """One experiment with the top-level defaults merged in: what a training run needs."""
 
     name: str
-    seed: int  # of this run; the partition always uses the top-level seed
-    seeds: list[int]
+    seed: Seed  # of this run; the partition always uses the top-level seed
+    seeds: list[Seed]
     dataset: str
     model: NetConfig
     algorithms: list[str]
@@ -336,10 +359,10 @@ class SweepConfig(Strict):
     file, under dotted `overrides` such as {"federation.rounds": 50, "algorithms.ditto.mu": 0.5}.
     It runs as its own experiment `<experiment>-<name>`, in `sweeps/<name>/`."""
 
-    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]+$")]
+    name: Name
     experiment: str
     algorithms: Annotated[list[str], Field(min_length=1)] | None = None  # None: the experiment's
-    seeds: Annotated[list[int], Field(min_length=1)] | None = None
+    seeds: Seeds | None = None
     overrides: dict[str, Any] = {}
     params_path: str = "params.yaml"
 
@@ -375,16 +398,16 @@ def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
 
 
 class Params(Strict):
-    seed: int = 0
-    datasets: dict[str, DatasetConfig]
-    experiments: dict[str, ExperimentConfig]
+    seed: Seed = 0
+    datasets: dict[Name, DatasetConfig]
+    experiments: dict[Name, ExperimentConfig]
     federation: FederationConfig = FederationConfig()
     local: LocalConfig = LocalConfig()
     engine: EngineConfig = EngineConfig()
     tracking: TrackingConfig = TrackingConfig()
-    algorithms: dict[str, dict[str, Any]]
-    learn2pfed: dict[str, Learn2pFedConfig] = {}  # experiment name -> downstream stage
-    tables: dict[str, TableConfig] = {}
+    algorithms: dict[Name, dict[str, Any]]
+    learn2pfed: dict[Name, Learn2pFedConfig] = {}  # experiment name -> downstream stage
+    tables: dict[Name, TableConfig] = {}
 
     @model_validator(mode="after")
     def _cross_references(self) -> Params:
@@ -467,10 +490,37 @@ def parse_params(data: Any) -> Params:
     return params
 
 
+class _ParamsLoader(yaml.SafeLoader):
+    """YAML with two traps closed: a key given twice in one mapping is an error (not "the last
+    wins"; `<<` merges may still be overridden), and `1e-3` is a float as in YAML 1.2 (YAML 1.1
+    reads it as a string)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            if key in seen:
+                raise ConfigError(f"{key_node.start_mark.name}: key '{key}' appears twice in one mapping, "
+                                  f"at lines {seen[key]} and {line}")
+            seen[key] = line
+        return super().construct_mapping(node, deep)
+
+
+_ParamsLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
+
+
 def read_params(path: str | Path) -> dict:
     """The raw params file, unvalidated."""
     try:
-        data = yaml.safe_load(Path(path).read_text())
+        with open(path) as fh:
+            data = yaml.load(fh, _ParamsLoader)
     except (OSError, yaml.YAMLError) as err:
         raise ConfigError(f"cannot read {path}: {err}") from None
     if not isinstance(data, dict):
