@@ -4,16 +4,17 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated, Any, Literal
 
 import numpy as np
 import pandas as pd
 import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pfl_tasks.config import DatasetConfig, config_hash
+from pfl_tasks.files import atomic_directory
 from pfl_tasks.data.partition import assign_clients, split_clients, standardize_by_train
 from pfl_tasks.data.schema import DataValidationError, validate_partition
 from pfl_tasks.data.sources import RawDataset, load_source
@@ -58,18 +59,11 @@ def build_partition(name: str, cfg: DatasetConfig, seed: int) -> tuple[pd.DataFr
 
 def write_partition(df: pd.DataFrame, manifest: dict, out_dir: Path) -> None:
     """Write into a sibling temp dir, then swap it in: no half-written partition is left."""
-    out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    try:
+    def fill(tmp: Path) -> None:
         df.to_parquet(tmp / TABLE, index=False)
-        manifest = {**manifest, "table_sha256": _sha256(tmp / TABLE)}
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        tmp.rename(out_dir)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        (tmp / MANIFEST).write_text(json.dumps(sealed({**manifest, "table_sha256": _sha256(tmp / TABLE)}), indent=1))
+
+    atomic_directory(out_dir, fill)
 
 
 @dataclass(frozen=True)
@@ -102,27 +96,125 @@ class FederatedData:
         return self.n_classes if self.task == "classification" else 1
 
 
-def load_partition(directory: Path) -> FederatedData:
-    directory = Path(directory)
+NonNegative = Annotated[int, Field(ge=0, strict=True)]
+
+
+class ClientEntry(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    client_id: NonNegative
+    train: NonNegative
+    test: NonNegative
+    labels: list[NonNegative] | None = None  # classification: rows per class
+
+
+class Manifest(BaseModel):
+    """`manifest.json`: what the table holds. Sealed by `manifest_sha256`, a hash of all the
+    other fields, as the table is by `table_sha256`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    dataset: str
+    seed: NonNegative
+    params_hash: str
+    config: dict[str, Any]
+    task: Literal["classification", "regression"]
+    n_classes: NonNegative
+    feature_shape: Annotated[list[Annotated[int, Field(gt=0, strict=True)]], Field(min_length=1)]
+    n_clients: Annotated[int, Field(gt=0, strict=True)]
+    clients: list[ClientEntry]
+    group_scale: Any = None
+    table_sha256: str
+    manifest_sha256: str
+
+
+def _seal(manifest: dict) -> str:
+    fields = {k: v for k, v in manifest.items() if k != "manifest_sha256"}
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
+
+
+def sealed(manifest: dict) -> dict:
+    return {**manifest, "manifest_sha256": _seal(manifest)}
+
+
+def read_manifest(directory: Path) -> Manifest:
+    """The validated manifest of a partition folder; DataValidationError names file and field."""
+    path = Path(directory) / MANIFEST
     try:
-        manifest = json.loads((directory / MANIFEST).read_text())
+        raw = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as err:
-        raise DataValidationError(f"{directory}: unreadable {MANIFEST}: {err}") from None
-    if _sha256(directory / TABLE) != manifest.get("table_sha256"):
-        raise DataValidationError(f"{directory / TABLE} does not match its manifest's sha256")
-    df = pd.read_parquet(directory / TABLE)
-    validate_partition(df, manifest["task"], manifest["n_classes"], manifest["n_clients"])
-    shape = tuple(manifest["feature_shape"])
+        raise DataValidationError(f"{path}: unreadable: {err}") from None
+    if not isinstance(raw, dict):
+        raise DataValidationError(f"{path}: expected a JSON object")
+    try:
+        manifest = Manifest.model_validate(raw)
+    except ValidationError as err:
+        fields = "; ".join(f"{'.'.join(map(str, e['loc'])) or '(top level)'}: {e['msg']}" for e in err.errors())
+        raise DataValidationError(f"{path}: invalid manifest: {fields}") from None
+    if _seal(raw) != manifest.manifest_sha256:
+        raise DataValidationError(f"{path}: fields edited after it was written (manifest_sha256 does not match); "
+                                  "rerun the prepare stage")
+    entries = manifest.clients
+    if [c.client_id for c in entries] != list(range(manifest.n_clients)):
+        raise DataValidationError(f"{path}: clients: expected client_id 0..{manifest.n_clients - 1} in order")
+    classification = manifest.task == "classification"
+    if classification != (manifest.n_classes >= 2):
+        raise DataValidationError(f"{path}: n_classes: {manifest.n_classes} does not fit task '{manifest.task}'")
+    for c in entries:
+        if classification and (c.labels is None or len(c.labels) != manifest.n_classes
+                               or sum(c.labels) != c.train + c.test):
+            raise DataValidationError(f"{path}: clients[{c.client_id}].labels: expected {manifest.n_classes} "
+                                      f"class counts summing to train + test = {c.train + c.test}")
+    return manifest
+
+
+def load_partition(directory: Path) -> FederatedData:
+    """Read and verify a partition: manifest and table hashes, schema, feature shape, and every
+    client's train/test and label counts against the manifest. Rows are grouped by client here,
+    whatever order the table was saved in."""
+    directory = Path(directory)
+    manifest = read_manifest(directory)
+    table = directory / TABLE
+    if _sha256(table) != manifest.table_sha256:
+        raise DataValidationError(f"{table} does not match its manifest's table_sha256")
+    df = pd.read_parquet(table)
+    validate_partition(df, manifest.task, manifest.n_classes, manifest.n_clients)
+    shape = tuple(manifest.feature_shape)
+    n_features = df.filter(regex=r"^f\d+$").shape[1]
+    if n_features != int(np.prod(shape)):
+        raise DataValidationError(f"{directory / MANIFEST}: feature_shape {list(shape)} needs {int(np.prod(shape))} "
+                                  f"feature columns; {table.name} has {n_features}")
+    df = df.sort_values(["client_id", "sample_id"], kind="stable", ignore_index=True)
+    _check_counts(df, manifest, directory / MANIFEST)
     return FederatedData(
-        name=manifest["dataset"],
-        task=manifest["task"],
-        n_classes=manifest["n_classes"],
+        name=manifest.dataset,
+        task=manifest.task,
+        n_classes=manifest.n_classes,
         feature_shape=shape,
-        train=_client_split(df[df["split"] == "train"], manifest["n_clients"], shape),
-        test=_client_split(df[df["split"] == "test"], manifest["n_clients"], shape),
-        manifest_hash=manifest["table_sha256"][:16],
-        partition=_describe(manifest["config"]["partition"]),
+        train=_client_split(df[df["split"] == "train"], manifest.n_clients, shape),
+        test=_client_split(df[df["split"] == "test"], manifest.n_clients, shape),
+        manifest_hash=manifest.table_sha256[:16],
+        partition=_describe(manifest.config["partition"]),
     )
+
+
+def _check_counts(df: pd.DataFrame, manifest: Manifest, where: Path) -> None:
+    client = df["client_id"].to_numpy()
+    for split in ("train", "test"):
+        actual = np.bincount(client[(df["split"] == split).to_numpy()], minlength=manifest.n_clients)
+        expected = np.array([getattr(c, split) for c in manifest.clients])
+        wrong = np.flatnonzero(actual != expected)
+        if len(wrong):
+            k = int(wrong[0])
+            raise DataValidationError(f"{where}: clients[{k}].{split} = {expected[k]}, but the table holds "
+                                      f"{actual[k]} {split} rows of client {k} ({len(wrong)} clients differ)")
+    if manifest.task == "classification":
+        actual = np.zeros((manifest.n_clients, manifest.n_classes), dtype=np.int64)
+        np.add.at(actual, (client, df["label"].to_numpy()), 1)
+        wrong = np.flatnonzero((actual != np.array([c.labels for c in manifest.clients])).any(1))
+        if len(wrong):
+            raise DataValidationError(f"{where}: clients[{int(wrong[0])}].labels do not match the table's labels "
+                                      f"of that client ({len(wrong)} clients differ)")
 
 
 def _describe(partition: dict) -> str:

@@ -7,11 +7,11 @@ given by its seed and round index; both are stored.
 
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
 
 import torch
+
+from pfl_tasks.files import atomic_write
 
 FORMAT = "pfl-checkpoint/1"
 
@@ -21,18 +21,7 @@ class CheckpointError(RuntimeError):
 
 
 def save_checkpoint(path: Path, payload: dict) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            torch.save({"format": FORMAT, **payload}, fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write(path, lambda fh: torch.save({"format": FORMAT, **payload}, fh), binary=True, fsync=True)
 
 
 def load_checkpoint(path: Path, expect: dict[str, str]) -> dict:
