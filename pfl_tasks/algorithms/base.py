@@ -12,6 +12,9 @@ and for evaluation of every client:
   forward(net, params, x)               -> the evaluation forward pass of that personalized view
   global_model(server, clients)         -> the shared model, or None if there is none
 Server state is a tree of tensors; client state is a tree of stacks with one row per client.
+A client that is not sampled, or drops out (`federation.dropout`), takes no part in the round:
+its rows of the client state (personal model, control variates, cluster, ...) stay as they were,
+and `aggregate` sees only the messages of the clients that reported.
 """
 
 from __future__ import annotations
@@ -50,7 +53,8 @@ class PersonalModels:
 
 
 class HyperParams(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # strict: a boolean or string is no number; non-finite values are refused
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
 
 
 class Algorithm(ABC):
@@ -58,6 +62,8 @@ class Algorithm(ABC):
     citation: ClassVar[str]
     Hyper: ClassVar[type[HyperParams]] = HyperParams
 
+    # True: every round needs every client's message (no sampling, no dropout)
+    full_participation: ClassVar[bool] = False
     n_clients: int = 0  # set by the engine before the first round
     tau: int = 1  # local steps per round (epochs when the budget is in epochs), set likewise
 

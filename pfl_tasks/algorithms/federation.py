@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from pfl_tasks.algorithms.base import Algorithm
-from pfl_tasks.config import ResolvedExperiment
+from pfl_tasks.config import ConfigError, ResolvedExperiment
 from pfl_tasks.data import FederatedData
 from pfl_tasks.engine.evaluate import evaluate_clients
 from pfl_tasks.engine.executor import make_trainer
@@ -32,6 +32,7 @@ class RunState:
     clients: Tree  # stacks with one row per client, on the CPU
     bytes_up: int = 0  # sent in the last round, all clients together
     bytes_down: int = 0
+    reported: int = 0  # clients whose messages the last round aggregated (0: skipped)
 
 
 @dataclass
@@ -53,6 +54,16 @@ def resolve_device(name: str) -> torch.device:
 class Federation:
     def __init__(self, exp: ResolvedExperiment, algorithm: Algorithm, data: FederatedData):
         self.exp, self.algorithm = exp, algorithm
+        fed, where = exp.federation, f"experiments.{exp.name}.federation"
+        if fed.clients_per_round is not None and fed.clients_per_round > data.n_clients:
+            raise ConfigError(f"{where}.clients_per_round: {fed.clients_per_round} exceeds the "
+                              f"{data.n_clients} clients of dataset '{exp.dataset}'")
+        if algorithm.full_participation:
+            for key, value, full in (("participation", fed.participation, 1.0), ("dropout", fed.dropout, 0.0),
+                                     ("clients_per_round", fed.clients_per_round, None)):
+                if value != full and not (key == "clients_per_round" and value == data.n_clients):
+                    raise ConfigError(f"{where}.{key}: {algorithm.name} needs every client every round "
+                                      f"(its server rule averages all of them); got {value}")
         algorithm.n_clients = data.n_clients
         algorithm.tau = exp.local.steps or exp.local.epochs
         self.device = resolve_device(exp.engine.device)
@@ -78,11 +89,17 @@ class Federation:
         return to_device(tree, self.device)
 
     def sample_clients(self, round_idx: int) -> torch.Tensor:
+        """The sampled clients that report this round, sorted. Dropout is drawn per client from
+        (seed, round) alone: who drops does not depend on who else was sampled. A dropped client
+        is as if unsampled: its local work is lost and its state stays as it was."""
         fed = self.exp.federation
         k = fed.clients_per_round or max(1, round(fed.participation * self.n_clients))
-        k = min(k, self.n_clients)
         rng = np.random.default_rng([self.exp.seed, round_idx, 0x5A3])
-        return torch.as_tensor(np.sort(rng.choice(self.n_clients, k, replace=False)))
+        ids = np.sort(rng.choice(self.n_clients, k, replace=False))
+        if fed.dropout:
+            drops = np.random.default_rng([self.exp.seed, round_idx, 0xD209]).random(self.n_clients) < fed.dropout
+            ids = ids[~drops[ids]]
+        return torch.as_tensor(ids)
 
     def chunks(self, ids: torch.Tensor) -> list[torch.Tensor]:
         return list(torch.split(ids, self.exp.engine.chunk_size))
@@ -108,7 +125,7 @@ class Federation:
         if clients:
             clients = scatter_(clients, ids, concat([r.clients for r in results]))
         up = tree_bytes(messages)
-        return RunState(state.round + 1, server, clients, up, sum(r.bytes_down for r in results))
+        return RunState(state.round + 1, server, clients, up, sum(r.bytes_down for r in results), len(ids))
 
     def evaluate(self, state: RunState) -> dict[str, dict[str, torch.Tensor]]:
         """Per-client test metrics of every client, for the personalized and global models."""
