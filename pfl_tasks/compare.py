@@ -17,7 +17,7 @@ from pathlib import Path
 import pandas as pd
 
 from pfl_tasks.engine.evaluate import HIGHER_IS_BETTER
-from pfl_tasks.tracking import atomic_write_text
+from pfl_tasks.files import atomic_write_text
 
 
 class ComparisonError(ValueError):

@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import fcntl
 import json
 import os
 import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
 from pfl_tasks.engine.evaluate import HIGHER_IS_BETTER, summarize
+from pfl_tasks.files import atomic_write_text
 
 PRIMARY = {"classification": "acc", "regression": "mse"}
 
@@ -56,15 +58,6 @@ def per_client_rows(per_client: dict[str, dict[str, torch.Tensor]]) -> list[dict
             row.update({f"{kind}_{m}": float(v[k]) for m, v in metrics.items() if m != "n"})
         rows.append(row)
     return rows
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    with os.fdopen(fd, "w") as fh:
-        fh.write(text)
-    os.replace(tmp, path)
 
 
 def write_csv(path: Path, rows: list[dict]) -> None:
@@ -151,50 +144,164 @@ def flatten(tree: dict, prefix: str = "") -> dict[str, str]:
     return flat
 
 
-class MlflowRun:
-    """One MLflow run per (experiment, algorithm); resumable by run id."""
+class TrackingError(RuntimeError):
+    """The MLflow store is unreachable, unwritable, or stayed unavailable past the retry bound."""
 
-    def __init__(self, tracking_uri: str, experiment: str, run_name: str, run_id: str | None):
+
+def tracking_uri(configured: str) -> str:
+    """MLFLOW_TRACKING_URI when set, else `tracking.mlflow_uri`."""
+    return os.environ.get("MLFLOW_TRACKING_URI", configured)
+
+
+def _transient(err: BaseException) -> bool:
+    """A locked sqlite store, a server briefly down, overloaded or slow: worth another try.
+    MLflow wraps the cause (a connection error) in an MlflowException, so the chain is read."""
+    from mlflow.exceptions import MlflowException
+
+    while err is not None:
+        if isinstance(err, MlflowException) and err.error_code in ("TEMPORARILY_UNAVAILABLE", "REQUEST_LIMIT_EXCEEDED"):
+            return True
+        if isinstance(err, (OSError, TimeoutError)) or "database is locked" in str(err):
+            return True  # requests' connection errors are OSErrors
+        err = err.__cause__ or err.__context__
+    return False
+
+
+def retrying(call, what: str, bound: float, first_wait: float = 0.5):
+    """`call()`, retried with exponential backoff (0.5 s doubling to 8 s) while it fails
+    transiently, for at most `bound` seconds; then TrackingError."""
+    import time
+
+    deadline, wait = time.monotonic() + bound, first_wait
+    while True:
+        try:
+            return call()
+        except Exception as err:
+            if not _transient(err):
+                raise
+            if time.monotonic() + wait > deadline:
+                first = str(err).strip().splitlines()[0][:200]
+                raise TrackingError(f"MLflow store unavailable for {bound:g} s ({what}: {first}); "
+                                    "the run is checkpointed and resumes when rerun") from None
+            time.sleep(wait)
+            wait = min(2 * wait, 8.0)
+
+
+@contextlib.contextmanager
+def _store_lock(uri: str):
+    """Serializes first use of a sqlite store across processes (MLflow migrates a new database
+    on first use, and two processes doing so at once fail)."""
+    path = _sqlite_path(uri)
+    if path is None:
+        yield
+        return
+    with open(f"{path}.lock", "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        yield
+
+
+def _sqlite_path(uri: str) -> Path | None:
+    if not uri.startswith("sqlite:///"):
+        return None
+    return Path(uri.removeprefix("sqlite:///").split("?")[0])
+
+
+def open_store(uri: str) -> None:
+    """Fail fast, before any training, on a store that cannot work, and create (migrate) it
+    once. Errors name `tracking.mlflow_uri`."""
+    import urllib.request
+
+    from mlflow.tracking import MlflowClient
+
+    where = f"tracking.mlflow_uri ({uri})"
+    path = _sqlite_path(uri)
+    if path is not None:
+        if not path.parent.is_dir():
+            raise TrackingError(f"{where}: directory {path.parent} does not exist")
+        try:  # writable, by trying (root passes every permission check)
+            for writable in (path, Path(f"{path}.lock")):
+                with open(writable, "a"):
+                    pass
+        except OSError as err:
+            raise TrackingError(f"{where}: cannot write {err.filename}: {err.strerror}") from None
+    elif uri.startswith(("http://", "https://")):
+        try:
+            with urllib.request.urlopen(f"{uri.rstrip('/')}/health", timeout=5):
+                pass
+        except OSError as err:
+            raise TrackingError(f"{where}: no MLflow server answers ({err})") from None
+    with _store_lock(uri):
+        try:
+            MlflowClient(tracking_uri=uri).search_experiments(max_results=1)
+        except Exception as err:
+            raise TrackingError(f"{where}: cannot open the store: {str(err).strip().splitlines()[0][:300]}") from None
+
+
+class MlflowRun:
+    """One MLflow run per (experiment, algorithm, seed); resumable by run id. Every call to the
+    store is retried while it fails transiently, up to `retry_seconds`."""
+
+    def __init__(self, uri: str, experiment: str, run_name: str, run_id: str | None, retry_seconds: float = 120.0):
         import mlflow
         from mlflow.tracking import MlflowClient
 
-        self.client = MlflowClient(tracking_uri=os.environ.get("MLFLOW_TRACKING_URI", tracking_uri))
-        exp = self.client.get_experiment_by_name(experiment)
-        exp_id = exp.experiment_id if exp else self.client.create_experiment(experiment)
+        self.retry_seconds = retry_seconds
+        self.client = MlflowClient(tracking_uri=tracking_uri(uri))
+        exp = self._call("get experiment", self.client.get_experiment_by_name, experiment)
+        exp_id = exp.experiment_id if exp else self._call("create experiment", self.client.create_experiment, experiment)
         if run_id is not None:
             try:
-                self.run_id = self.client.get_run(run_id).info.run_id
-                self.client.update_run(self.run_id, status="RUNNING")
+                self.run_id = self._call("get run", self.client.get_run, run_id).info.run_id
+                self._call("resume run", self.client.update_run, self.run_id, status="RUNNING")
                 return
             except mlflow.exceptions.MlflowException:
                 pass  # the store was reset: start a new run
-        self.run_id = self.client.create_run(exp_id, run_name=run_name).info.run_id
+        self.run_id = self._call("create run", self.client.create_run, exp_id, run_name=run_name).info.run_id
+
+    def _call(self, what: str, fn, *args, **kwargs):
+        return retrying(lambda: fn(*args, **kwargs), what, self.retry_seconds)
 
     def log_params_and_tags(self, params: dict[str, str], tags: dict[str, str]) -> None:
         from mlflow.entities import Param, RunTag
 
-        existing = self.client.get_run(self.run_id).data.params
+        existing = self._call("read params", self.client.get_run, self.run_id).data.params
         fresh = [Param(k, v[:6000]) for k, v in params.items() if k not in existing]
-        self.client.log_batch(self.run_id, params=fresh, tags=[RunTag(k, v) for k, v in tags.items()])
+        self._call("log params", self.client.log_batch, self.run_id, params=fresh,
+                   tags=[RunTag(k, v) for k, v in tags.items()])
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
-        self._log([(k, v, step) for k, v in metrics.items()])
+        self.log_records([{"step": step, **metrics}], "step")
 
-    def log_series(self, key: str, values: list[float], first_step: int) -> None:
-        self._log([(key, v, first_step + i) for i, v in enumerate(values)])
-
-    def _log(self, points: list[tuple[str, float, int]]) -> None:
+    def log_records(self, records: list[dict], step_key: str) -> None:
+        """Each record's values at the step `record[step_key]`, in as few calls as MLflow allows."""
         import time
 
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        batch = [Metric(k, float(v), now, step) for k, v, step in points]
+        batch = [Metric(k, float(v), now, int(r[step_key])) for r in records for k, v in r.items() if k != step_key]
         for i in range(0, len(batch), 1000):  # MLflow's per-call limit
-            self.client.log_batch(self.run_id, metrics=batch[i : i + 1000])
+            self._call("log metrics", self.client.log_batch, self.run_id, metrics=batch[i : i + 1000])
 
     def log_artifacts(self, directory: Path) -> None:
-        self.client.log_artifacts(self.run_id, str(directory))
+        self._call("log artifacts", self.client.log_artifacts, self.run_id, str(directory))
 
-    def finish(self, status: str = "FINISHED") -> None:
-        self.client.set_terminated(self.run_id, status=status)
+    def fail_stale_runs(self, tags: dict[str, str], reason: str) -> list[str]:
+        """Mark FAILED every other RUNNING run carrying `tags`: left by a process that died
+        (the caller holds the lock its live writer would hold)."""
+        from mlflow.entities import ViewType
+
+        run = self._call("get run", self.client.get_run, self.run_id)
+        query = " and ".join([f"tags.`{k}` = '{v}'" for k, v in tags.items()] + ["attributes.status = 'RUNNING'"])
+        stale = [r.info.run_id for r in self._call(
+            "search runs", self.client.search_runs, [run.info.experiment_id], query, ViewType.ACTIVE_ONLY, 100)
+            if r.info.run_id != self.run_id]
+        for run_id in stale:
+            self._call("mark stale run", self.client.set_tag, run_id, "failure", reason)
+            self._call("mark stale run", self.client.set_terminated, run_id, "FAILED")
+        return stale
+
+    def finish(self, status: str = "FINISHED", reason: str | None = None) -> None:
+        if reason is not None:
+            self._call("tag failure", self.client.set_tag, self.run_id, "failure", reason[:5000])
+        self._call("end run", self.client.set_terminated, self.run_id, status=status)

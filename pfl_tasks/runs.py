@@ -1,0 +1,206 @@
+"""The life of one run, the same for the training and the Learn2pFed flows: one writer at a
+time, resume from its checkpoint, MLflow tracking, progress, checkpoints before logging, final
+outputs, and a failure path that leaves nothing RUNNING and nothing half-written.
+
+    with Run(paths, identity, tracking, total=rounds, unit="round") as run:
+        state = ... run.resumed ...             # None, or the checkpoint to resume from
+        run.track(params, tags)
+        run.snapshot = lambda: {...}            # the checkpoint of the state between steps
+        for step in run.steps(start):           # stops between steps on SIGTERM/SIGINT
+            with run.mutating():                # the state is inconsistent in here
+                state = ...
+            ... checkpoint ...; run.log(history)
+        run.finish(final, curve, artifacts)
+
+On an exception or signal the run saves `snapshot()` if the state is consistent, marks its
+MLflow run FAILED (KILLED for a signal) with the reason, and re-raises. A second signal stops
+at once; a first one finishes the step under way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import sys
+import tempfile
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from pfl_tasks.config import TrackingConfig
+from pfl_tasks.engine.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from pfl_tasks.files import OutputLock, remove_stale_temporaries
+from pfl_tasks.tracking import MlflowRun, TrackingError, flatten, progress, write_dvc_outputs
+
+
+@dataclass(frozen=True)
+class RunPaths:
+    checkpoint: Path
+    metrics: Path
+    curve: Path
+    lock: Path
+
+    @classmethod
+    def of(cls, root: Path, experiment: str, run_name: str, seed: int) -> RunPaths:
+        return cls(
+            checkpoint=root / "models" / experiment / run_name / f"seed-{seed}" / "checkpoint.pt",
+            metrics=root / "metrics" / experiment / run_name / f"seed-{seed}.json",
+            curve=root / "plots" / experiment / run_name / f"seed-{seed}.csv",
+            lock=root / ".locks" / experiment / run_name / f"seed-{seed}.lock",
+        )
+
+
+def resume_point(path: Path, identity: dict, total: int, on_config_change: str) -> dict | None:
+    """The checkpoint to resume from, None to start fresh; raises on foreign/corrupt files."""
+    if not path.exists():
+        return None
+    ckpt = load_checkpoint(path, {k: identity[k] for k in ("experiment", "algorithm")})
+    problem = None
+    if ckpt["config_hash"] != identity["config_hash"]:
+        old, new = json.loads(ckpt["config"]), json.loads(identity["config"])
+        changed = sorted(set(flatten(old).items()) ^ set(flatten(new).items()))
+        problem = f"configuration changed ({', '.join(sorted({k for k, _ in changed}))})"
+    elif ckpt["round"] > total:
+        problem = f"it is at step {ckpt['round']}, beyond the configured {total}"
+    if problem is None or on_config_change == "resume":
+        return ckpt
+    if on_config_change == "restart":
+        print(f"{path}: {problem}; starting afresh")
+        return None
+    raise CheckpointError(
+        f"{path}: {problem}. Pass --on-config-change restart to discard it, "
+        "or --on-config-change resume to continue from it anyway."
+    )
+
+
+class RunStopped(Exception):
+    """SIGTERM or SIGINT asked the run to stop."""
+
+    def __init__(self, signum: int):
+        self.signum = signum
+        super().__init__(f"stopped by {signal.Signals(signum).name}")
+
+
+class Run:
+    def __init__(self, paths: RunPaths, identity: dict, tracking: TrackingConfig, seed: int, *,
+                 total: int, unit: str, on_config_change: str = "refuse"):
+        self.paths, self.identity, self.tracking, self.seed = paths, identity, tracking, seed
+        self.total, self.unit, self.on_config_change = total, unit, on_config_change
+        self.label = f"{identity['experiment']}/{identity['algorithm']}/seed{seed}"
+        self.resumed: dict | None = None
+        self.tracker: MlflowRun | None = None
+        self.snapshot: Callable[[], dict] | None = None
+        self.logged = 0  # history records already in MLflow
+        self.bar = None
+        self._consistent = True
+        self._stop: int | None = None
+        self._lock = OutputLock(paths.lock, self.label)
+        self._handlers: dict[int, object] = {}
+
+    # ------------------------------------------------------------------------- lifecycle
+    def __enter__(self) -> Run:
+        self._lock.__enter__()
+        try:
+            remove_stale_temporaries(self.paths.checkpoint, self.paths.metrics, self.paths.curve)
+            self.resumed = resume_point(self.paths.checkpoint, self.identity, self.total, self.on_config_change)
+            if self.resumed is not None:
+                self.logged = self.resumed.get("logged", len(self.resumed.get("history", [])))
+        except BaseException:
+            self._lock.__exit__()
+            raise
+        if threading.current_thread() is threading.main_thread():
+            self._handlers = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        for sig, handler in self._handlers.items():
+            signal.signal(sig, handler)
+        try:
+            if self.bar is not None:
+                self.bar.close()
+            if exc is not None:
+                self._fail(exc)
+        finally:
+            self._lock.__exit__()
+        if exc is None and self._stop is not None:  # a signal during the last step: stop the stage too
+            raise RunStopped(self._stop)
+
+    def _on_signal(self, signum, frame) -> None:
+        if self._stop is not None:
+            raise RunStopped(signum)
+        self._stop = signum
+        print(f"{self.label}: {signal.Signals(signum).name}: stopping after this {self.unit} "
+              "(again to stop at once)", file=sys.stderr, flush=True)
+
+    def _fail(self, exc: BaseException) -> None:
+        status = "KILLED" if isinstance(exc, (RunStopped, KeyboardInterrupt)) else "FAILED"
+        where = ""
+        if self.snapshot is not None and self._consistent:
+            try:
+                payload = self.snapshot()
+                save_checkpoint(self.paths.checkpoint, payload)
+                where = f" at {self.unit} {payload['round']} (checkpointed)"
+            except Exception as err:
+                print(f"{self.label}: could not checkpoint on failure: {err}", file=sys.stderr)
+        reason = f"{type(exc).__name__}{where}: {exc}"
+        if self.tracker is None:
+            return
+        if isinstance(exc, TrackingError):
+            print(f"{self.label}: MLflow run {self.tracker.run_id} left RUNNING (store unavailable); "
+                  "a rerun resumes it", file=sys.stderr)
+            return
+        try:
+            self.tracker.finish(status, reason)
+        except Exception as err:
+            print(f"{self.label}: could not mark MLflow run {self.tracker.run_id} {status}: {err}", file=sys.stderr)
+
+    # ------------------------------------------------------------------------- during the run
+    def track(self, experiment: str, params: dict[str, str], tags: dict[str, str]) -> None:
+        """Open (or resume) the MLflow run, failing stale RUNNING runs of this same output."""
+        run_id = self.resumed.get("mlflow_run_id") if self.resumed else None
+        self.tracker = MlflowRun(self.tracking.mlflow_uri, experiment, f"{self.identity['algorithm']}-seed{self.seed}",
+                                 run_id, self.tracking.retry_seconds)
+        key = {"experiment": self.identity["experiment"], "algorithm": self.identity["algorithm"], "seed": str(self.seed)}
+        self.tracker.fail_stale_runs(key, "its process died (found RUNNING by a later run of the same output)")
+        self.tracker.log_params_and_tags(params, {**tags, **key, "pid": str(os.getpid()), "host": socket.gethostname()})
+
+    def steps(self, start: int, every: int = 1) -> Iterator[int]:
+        """`start, start + every, ... < total`, with a progress bar; a requested stop is honoured
+        between steps."""
+        self.bar = progress(self.label, self.total, start, self.unit)
+        for step in range(start, self.total, every):
+            if self._stop is not None:
+                raise RunStopped(self._stop)
+            yield step
+            self.bar.update(min(every, self.total - step))
+
+    @contextlib.contextmanager
+    def mutating(self) -> Iterator[None]:
+        """The state is being changed in place: no failure checkpoint from in here."""
+        self._consistent = False
+        yield
+        self._consistent = True
+
+    def note(self, summary: str, at: int | None = None) -> None:
+        """The latest metrics on the progress bar, and a log line when `at` names the step."""
+        self.bar.set_postfix_str(summary, refresh=False)
+        if at is not None:
+            self.bar.write(f"{self.label} {self.unit} {at}: {summary}")
+
+    def log(self, history: list[dict], step_key: str) -> None:
+        """Send MLflow the records it has not had yet (checkpoint first: `logged` travels in it)."""
+        self.tracker.log_records(history[self.logged:], step_key)
+        self.logged = len(history)
+
+    def finish(self, final: dict[str, float], curve: list[dict], artifacts: Callable[[Path], None]) -> None:
+        """DVC metrics and curve, the final metrics and `artifacts(dir)`'s files to MLflow, FINISHED."""
+        write_dvc_outputs(self.paths.metrics, self.paths.curve, final, curve)
+        self.tracker.log_metrics(final, step=self.total)
+        with tempfile.TemporaryDirectory() as tmp:
+            artifacts(Path(tmp))
+            self.tracker.log_artifacts(Path(tmp))
+        self.tracker.finish()
