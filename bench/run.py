@@ -39,7 +39,7 @@ import torch
 from flows.train import InlineSteps, PrefectSteps, RoundSteps, run_round
 from pfl_tasks.algorithms import build
 from pfl_tasks.algorithms.federation import Federation
-from pfl_tasks.config import load_params, parse_params
+from pfl_tasks.config import TrackingConfig, load_params, parse_params
 from pfl_tasks.data import ClientSplit, FederatedData
 from pfl_tasks.engine.state import tree_bytes
 
@@ -234,7 +234,7 @@ def profile(rounds: int) -> dict:
 
         def run(seed: int):
             train_run(exp.model_copy(update={"seed": seed}), "fedavg", params.algorithms["fedavg"], Path(tmp),
-                      InlineSteps(2), tracking_uri=f"sqlite:///{tmp}/mlflow.db")
+                      InlineSteps(2), tracking=TrackingConfig(mlflow_uri=f"sqlite:///{tmp}/mlflow.db"))
 
         run(0)
         prof = cProfile.Profile()

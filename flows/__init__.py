@@ -1,10 +1,11 @@
 """Prefect flows and the thin entry points that `dvc.yaml` stages call.
 
-Defaults keep every run local and quiet: no telemetry, a generous ephemeral-server start.
-Without PREFECT_API_URL each process starts a temporary Prefect server, set to record task runs
-in batches; stopped at exit, it drops its last in-flight task-run events and logs a traceback
-for each (an upstream race that leaves results untouched), so its own log is limited to
-critical messages. A real server (PREFECT_API_URL) runs and logs as configured.
+Defaults keep every run local and quiet: no telemetry, a generous server start, MLflow's HTTP
+client not retrying on its own (`pfl_tasks.tracking` retries, within `tracking.retry_seconds`).
+Without PREFECT_API_URL each stage starts a Prefect server of its own (`flows.stage`), set to
+record task runs in batches; stopped at exit, it drops its last in-flight task-run events and
+logs a traceback for each (an upstream race that leaves results untouched), so its own log is
+limited to critical messages. A real server (PREFECT_API_URL) runs and logs as configured.
 """
 
 import os
@@ -16,6 +17,8 @@ for _key, _value in {
     "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
     "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
     "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false",
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0",
+    "MLFLOW_HTTP_REQUEST_TIMEOUT": "30",
 }.items():
     os.environ.setdefault(_key, _value)
 

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import flows  # noqa: F401  (environment defaults)
 from pfl_tasks.compare import ComparisonError, write_report
-from pfl_tasks.config import ConfigError, load_params
+from flows.stage import stage_main
+from pfl_tasks.config import load_params
 
 REPORTS = Path("reports/compare")
 FIGURES = Path("reports/figures")
@@ -60,12 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--params", default="params.yaml")
     parser.add_argument("--tracking-uri", help="default: MLFLOW_TRACKING_URI, else params.yaml's tracking.mlflow_uri")
     args = parser.parse_args(argv)
-    try:
-        compare(args.experiments or None, args.params, args.tracking_uri)
-    except (ConfigError, ComparisonError) as err:
-        print(f"compare failed: {err}", file=sys.stderr)
-        return 2
-    return 0
+    return stage_main("compare", lambda: compare(args.experiments or None, args.params, args.tracking_uri))
 
 
 if __name__ == "__main__":

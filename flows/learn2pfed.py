@@ -15,7 +15,6 @@ import argparse
 import hashlib
 import json
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,19 +23,21 @@ import torch
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 
-from flows.train import PARTITIONS, RunPaths, resume_point
+from flows.stage import prefect_api, stage_main
+from flows.train import PARTITIONS
 from pfl_tasks.algorithms import build, validate_params
 from pfl_tasks.algorithms.learn2pfed import Cells
 from pfl_tasks.algorithms.learn2pfed_meta import (
     communication, evaluate, heldout_rows, make_optimizer, meta_epoch, padded_problem, participation,
 )
 from pfl_tasks.config import ConfigError, Learn2pFedConfig, ResolvedExperiment, config_hash, load_params
-from pfl_tasks.data import DataValidationError, FederatedData, load_partition
+from pfl_tasks.data import FederatedData, load_partition
 from pfl_tasks.engine.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from pfl_tasks.nets import build_net, embed, head_keys, split_net
+from pfl_tasks.runs import Run, RunPaths
 from pfl_tasks.tracking import (
-    MlflowRun, final_metrics, flatten, per_client_rows, progress, run_tags, source_hash, summarize_eval,
-    write_csv, write_dvc_outputs,
+    final_metrics, flatten, open_store, per_client_rows, run_tags, source_hash, summarize_eval, tracking_uri,
+    write_csv,
 )
 
 TASK_OPTIONS = dict(cache_policy=NO_CACHE, persist_result=False)
@@ -145,59 +146,58 @@ def learn2pfed_flow(experiment: str, supervision: str, seed: int, params_path: s
 
     cells = Cells(problems.train, cfg.cells, cfg.tied, cfg.init.model_dump(), torch.Generator().manual_seed(seed))
     opt = make_optimizer(cells, cfg.meta)
-    ckpt = resume_point(paths.checkpoint, identity, cfg.meta.epochs, on_config_change)
-    losses, run_id = [], None  # (supervised, fit) meta losses per epoch
-    if ckpt is not None:
-        cells.load_state_dict(ckpt["cells"])
-        opt.load_state_dict(ckpt["optimizer"])
-        losses, run_id = [tuple(pair) for pair in ckpt["losses"]], ckpt["mlflow_run_id"]
-        print(f"{exp.name}/{run_name}/seed{seed}: resuming from meta-epoch {len(losses)}")
+    with Run(paths, identity, params.tracking, seed, total=cfg.meta.epochs, unit="epoch",
+             on_config_change=on_config_change) as run:
+        history = []  # {"epoch", "meta/loss" (supervised), "meta/fit_loss"} per meta-epoch
+        if run.resumed is not None:
+            cells.load_state_dict(run.resumed["cells"])
+            opt.load_state_dict(run.resumed["optimizer"])
+            history = run.resumed["history"]
+            print(f"{run.label}: resuming from meta-epoch {len(history)}")
+        run.track(exp.name,
+                  flatten({"experiment": exp.model_dump(mode="json"), "learn2pfed": cfg.model_dump(mode="json"),
+                           "supervision": supervision}),
+                  run_tags(exp, problems.partition, run_name, "learn2pfed", "Lv et al., arXiv:2401.08327",
+                           data_hash, identity["config_hash"], str(flow_run.id)))
+        run.log(history, "epoch")
 
-    tracker = MlflowRun(params.tracking.mlflow_uri, exp.name, f"{run_name}-seed{seed}", run_id)
-    tracker.log_params_and_tags(
-        flatten({"experiment": exp.model_dump(mode="json"), "learn2pfed": cfg.model_dump(mode="json"),
-                 "supervision": supervision}),
-        run_tags(exp, problems.partition, run_name, "learn2pfed", "Lv et al., arXiv:2401.08327", data_hash,
-                 identity["config_hash"], str(flow_run.id)),
-    )
-    every = cfg.meta.checkpoint_every
-    bar = progress(f"{exp.name}/{run_name}/seed{seed}", cfg.meta.epochs, len(losses), "epoch")
-    for start in range(len(losses), cfg.meta.epochs, every):
-        stop = min(start + every, cfg.meta.epochs)
-        block = meta_epochs(cells, opt, cfg, problems, start, stop)
-        bar.set_postfix_str(f"meta loss={block[-1][0]:.4f}", refresh=False)
-        bar.update(stop - start)
-        tracker.log_series("meta/loss", [sup for sup, _ in block], first_step=start)
-        tracker.log_series("meta/fit_loss", [fit for _, fit in block], first_step=start)
-        losses += block
-        checkpoint(paths.checkpoint, stop, {
-            **identity, "round": stop, "cells": cells.state_dict(), "optimizer": opt.state_dict(),
-            "losses": losses, "mlflow_run_id": tracker.run_id, "seed": seed,
-        })
+        def snapshot() -> dict:
+            return {**identity, "round": len(history), "cells": cells.state_dict(), "optimizer": opt.state_dict(),
+                    "history": history, "mlflow_run_id": run.tracker.run_id, "logged": run.logged, "seed": seed}
 
-    bar.close()
-    per_client = evaluate_clients(cells, cfg, problems)
-    task_kind = "classification" if problems.test.n_classes else "regression"
-    final = final_metrics([{"round": cfg.meta.epochs, **summarize_eval(per_client)}], task_kind)
-    final.update(communication(problems.train, cfg.cells))
-    final.update({"meta/loss_first": losses[0][0], "meta/loss_last": losses[-1][0],
-                  "meta/fit_loss_last": losses[-1][1]})
-    lam = participation(cells)
-    final["participation/lam_mean"] = lam.mean().item()
-    if lam.shape[-1] <= 16:  # per coordinate, for the interpretable regression tasks
-        final.update({f"participation/lam_mean_{j}": v for j, v in enumerate(lam.mean((0, 1)).tolist())})
-    curve = [{"epoch": e, "meta_loss": sup, "fit_loss": fit} for e, (sup, fit) in enumerate(losses)]
-    write_dvc_outputs(paths.metrics, paths.curve, final, curve)
-    tracker.log_metrics(final, step=cfg.meta.epochs)
-    with tempfile.TemporaryDirectory() as tmp:
-        write_csv(Path(tmp) / "clients_last.csv", per_client_rows(per_client))
-        write_csv(Path(tmp) / "participation.csv", [
-            {"cell": c, "client_id": i, **{f"lam_{j}": float(x) for j, x in enumerate(row)}}
-            for c, layer in enumerate(lam) for i, row in enumerate(layer)
-        ])
-        tracker.log_artifacts(Path(tmp))
-    tracker.finish()
-    print(f"{exp.name}/{run_name}/seed{seed}: " + ", ".join(
+        run.snapshot = snapshot
+        every = cfg.meta.checkpoint_every
+        for start in run.steps(len(history), every):
+            stop = min(start + every, cfg.meta.epochs)
+            with run.mutating():
+                block = meta_epochs(cells, opt, cfg, problems, start, stop)
+                history += [{"epoch": e, "meta/loss": sup, "meta/fit_loss": fit}
+                            for e, (sup, fit) in enumerate(block, start)]
+            checkpoint(paths.checkpoint, stop, snapshot())
+            run.log(history, "epoch")
+            run.note(f"meta loss={history[-1]['meta/loss']:.4f}")
+
+        per_client = evaluate_clients(cells, cfg, problems)
+        task_kind = "classification" if problems.test.n_classes else "regression"
+        final = final_metrics([{"round": cfg.meta.epochs, **summarize_eval(per_client)}], task_kind)
+        final.update(communication(problems.train, cfg.cells))
+        final.update({"meta/loss_first": history[0]["meta/loss"], "meta/loss_last": history[-1]["meta/loss"],
+                      "meta/fit_loss_last": history[-1]["meta/fit_loss"]})
+        lam = participation(cells)
+        final["participation/lam_mean"] = lam.mean().item()
+        if lam.shape[-1] <= 16:  # per coordinate, for the interpretable regression tasks
+            final.update({f"participation/lam_mean_{j}": v for j, v in enumerate(lam.mean((0, 1)).tolist())})
+
+        def artifacts(tmp: Path) -> None:
+            write_csv(tmp / "clients_last.csv", per_client_rows(per_client))
+            write_csv(tmp / "participation.csv", [
+                {"cell": c, "client_id": i, **{f"lam_{j}": float(x) for j, x in enumerate(row)}}
+                for c, layer in enumerate(lam) for i, row in enumerate(layer)
+            ])
+
+        run.finish(final, [{"epoch": h["epoch"], "meta_loss": h["meta/loss"], "fit_loss": h["meta/fit_loss"]}
+                           for h in history], artifacts)
+    print(f"{run.label}: " + ", ".join(
         f"{k}={v:.4f}" for k, v in final.items() if k.startswith("final/") and k.endswith(("acc_mean", "mse_mean"))))
     return final
 
@@ -208,11 +208,13 @@ def run_experiment(experiment: str, params_path: str = "params.yaml", root: str 
     if experiment not in params.learn2pfed:
         raise ConfigError(f"learn2pfed: no entry '{experiment}' (have: {sorted(params.learn2pfed)})")
     exp = params.experiment(experiment)
-    return {
-        (supervision, seed): learn2pfed_flow(experiment, supervision, seed, params_path, root, on_config_change)
-        for supervision in params.learn2pfed[experiment].supervision
-        for seed in exp.seeds
-    }
+    open_store(tracking_uri(params.tracking.mlflow_uri))
+    with prefect_api():
+        return {
+            (supervision, seed): learn2pfed_flow(experiment, supervision, seed, params_path, root, on_config_change)
+            for supervision in params.learn2pfed[experiment].supervision
+            for seed in exp.seeds
+        }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -221,12 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--params", default="params.yaml")
     parser.add_argument("--on-config-change", choices=["refuse", "restart", "resume"], default="refuse")
     args = parser.parse_args(argv)
-    try:
-        run_experiment(args.experiment, args.params, ".", args.on_config_change)
-    except (ConfigError, DataValidationError, CheckpointError) as err:
-        print(f"learn2pfed failed: {err}", file=sys.stderr)
-        return 2
-    return 0
+    return stage_main("learn2pfed", lambda: run_experiment(args.experiment, args.params, ".", args.on_config_change))
 
 
 if __name__ == "__main__":

@@ -25,15 +25,11 @@ from prefect.cache_policies import NO_CACHE
 from flows.compare import compare
 from flows.learn2pfed import run_experiment as learn2pfed_experiment
 from flows.prepare import PARTITIONS, prepare
+from flows.stage import prefect_api, stage_main
 from flows.tables import write_tables
 from flows.train import train_experiment
 from pfl_tasks.algorithms import validate_params
-from pfl_tasks.compare import ComparisonError
 from pfl_tasks.config import ConfigError, load_params
-from pfl_tasks.data import DataValidationError
-from pfl_tasks.data.partition import PartitionError
-from pfl_tasks.data.sources import SourceError
-from pfl_tasks.engine.checkpoint import CheckpointError
 
 STEP_OPTIONS = dict(cache_policy=NO_CACHE, persist_result=False)
 prepare_step = task(prepare, **STEP_OPTIONS, task_run_name="prepare-{dataset}")
@@ -79,12 +75,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--params", default="params.yaml")
     parser.add_argument("experiments", nargs="*", help="default: every experiment of the params file")
     args = parser.parse_args(argv)
-    try:
-        pipeline_flow(args.params, ".", args.experiments or None)
-    except (ConfigError, ComparisonError, DataValidationError, PartitionError, SourceError, CheckpointError) as err:
-        print(f"pipeline failed: {err}", file=sys.stderr)
-        return 2
-    return 0
+
+    def work():
+        with prefect_api():
+            pipeline_flow(args.params, ".", args.experiments or None)
+
+    return stage_main("pipeline", work)
 
 
 if __name__ == "__main__":

@@ -11,10 +11,10 @@ import sys
 from pathlib import Path
 
 import flows  # noqa: F401  (environment defaults)
+from flows.stage import stage_main
 from pfl_tasks.config import ConfigError, load_params
-from pfl_tasks.data import DataValidationError, build_partition, write_partition
-from pfl_tasks.data.partition import PartitionError
-from pfl_tasks.data.sources import SourceError
+from pfl_tasks.data import build_partition, write_partition
+from pfl_tasks.files import remove_stale_temporaries
 
 PARTITIONS = Path("data/partitions")
 
@@ -25,6 +25,7 @@ def prepare(dataset: str, params_path: str = "params.yaml", out_root: Path = PAR
         raise ConfigError(f"unknown dataset '{dataset}'; params.yaml has {sorted(params.datasets)}")
     table, manifest = build_partition(dataset, params.datasets[dataset], params.seed)
     out = Path(out_root) / dataset
+    remove_stale_temporaries(out)  # of a killed earlier prepare
     write_partition(table, manifest, out)
     counts = [c["train"] + c["test"] for c in manifest["clients"]]
     print(f"{dataset}: {len(table)} samples, {manifest['n_clients']} clients "
@@ -37,12 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("dataset")
     parser.add_argument("--params", default="params.yaml")
     args = parser.parse_args(argv)
-    try:
-        prepare(args.dataset, args.params)
-    except (ConfigError, DataValidationError, PartitionError, SourceError) as err:
-        print(f"prepare failed: {err}", file=sys.stderr)
-        return 2
-    return 0
+    return stage_main("prepare", lambda: prepare(args.dataset, args.params))
 
 
 if __name__ == "__main__":

@@ -19,10 +19,10 @@ import yaml
 from prefect import flow
 
 from flows.pipeline import pipeline_flow
+from flows.stage import prefect_api, stage_main
 from pfl_tasks.algorithms import validate_params
-from pfl_tasks.compare import ComparisonError
-from pfl_tasks.config import ConfigError, SweepConfig, parse_params
-from pfl_tasks.tracking import atomic_write_text
+from pfl_tasks.config import SweepConfig, parse_params
+from pfl_tasks.files import atomic_write_text
 
 SWEEPS = Path("sweeps")
 
@@ -45,11 +45,16 @@ def main(argv: list[str] | None = None) -> int:
         print(__doc__)
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     try:
-        sweep_flow(SweepConfig.model_validate(json.loads(argv[0])))
-    except (ValueError, ConfigError, ComparisonError) as err:
+        sweep = SweepConfig.model_validate(json.loads(argv[0]))
+    except ValueError as err:
         print(f"sweep failed: {err}", file=sys.stderr)
         return 2
-    return 0
+
+    def work():
+        with prefect_api():
+            sweep_flow(sweep)
+
+    return stage_main("sweep", work)
 
 
 if __name__ == "__main__":

@@ -19,8 +19,10 @@ import tempfile
 from pathlib import Path
 
 import flows  # noqa: F401  (environment defaults)
+from flows.stage import stage_main
 from pfl_tasks.config import ConfigError, TableConfig, load_params
-from pfl_tasks.tracking import MlflowRun, atomic_write_text
+from pfl_tasks.files import atomic_write_text
+from pfl_tasks.tracking import MlflowRun
 
 METRICS = Path("metrics")
 REPORTS = Path("reports")
@@ -104,12 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--params", default="params.yaml")
     args = parser.parse_args(argv)
-    try:
-        write_tables(args.params)
-    except ConfigError as err:
-        print(f"tables failed: {err}", file=sys.stderr)
-        return 2
-    return 0
+    return stage_main("tables", lambda: write_tables(args.params))
 
 
 if __name__ == "__main__":

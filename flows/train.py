@@ -12,11 +12,10 @@ plain calls, to measure Prefect's cost and to keep unit tests fast.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
-import tempfile
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 import flows  # noqa: F401  (environment defaults)
@@ -26,46 +25,36 @@ from prefect.task_runners import ThreadPoolTaskRunner
 
 from pfl_tasks.algorithms import build, validate_params
 from pfl_tasks.algorithms.federation import Federation, RunState
-from pfl_tasks.config import ConfigError, EngineConfig, ResolvedExperiment, config_hash, load_params
-from pfl_tasks.data import DataValidationError, load_partition
-from pfl_tasks.engine.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from flows.stage import prefect_api, stage_main
+from pfl_tasks.config import (
+    ConfigError, EngineConfig, ResolvedExperiment, TrackingConfig, config_hash, load_params,
+)
+from pfl_tasks.data import load_partition
+from pfl_tasks.engine.checkpoint import save_checkpoint
 from pfl_tasks.engine.state import gather
+from pfl_tasks.runs import Run, RunPaths
 from pfl_tasks.tracking import (
-    MlflowRun,
     best_index,
     final_metrics,
     flatten,
     learning_curve_png,
+    open_store,
     per_client_rows,
-    progress,
     run_tags,
     source_hash,
     summarize_eval,
+    tracking_uri,
     write_csv,
-    write_dvc_outputs,
 )
 
 PARTITIONS = Path("data/partitions")
 
 
-@dataclass(frozen=True)
-class RunPaths:
-    checkpoint: Path
-    metrics: Path
-    curve: Path
-
-    @classmethod
-    def of(cls, root: Path, experiment: str, run_name: str, seed: int) -> RunPaths:
-        return cls(
-            checkpoint=root / "models" / experiment / run_name / f"seed-{seed}" / "checkpoint.pt",
-            metrics=root / "metrics" / experiment / run_name / f"seed-{seed}.json",
-            curve=root / "plots" / experiment / run_name / f"seed-{seed}.csv",
-        )
-
-
 # ----------------------------------------------------------------------------- round steps
 def run_round(steps, fed: Federation, state: RunState, round_idx: int) -> RunState:
     ids = steps.sample(fed, round_idx)
+    if len(ids) == 0:  # every sampled client dropped out: nothing to aggregate
+        return RunState(state.round + 1, state.server, state.clients)
     payload = fed.algorithm.payload(state.server)
     results = steps.local_updates(fed, round_idx, payload, fed.chunks(ids), state.clients)
     return steps.aggregate(fed, round_idx, state, results)
@@ -219,32 +208,9 @@ def run_identity(exp: ResolvedExperiment, run_name: str, raw_hp: dict, data_hash
     }
 
 
-def resume_point(path: Path, identity: dict, rounds: int, on_config_change: str) -> dict | None:
-    """The checkpoint to resume from, None to start fresh; raises on foreign/corrupt files."""
-    if not path.exists():
-        return None
-    ckpt = load_checkpoint(path, {k: identity[k] for k in ("experiment", "algorithm")})
-    problem = None
-    if ckpt["config_hash"] != identity["config_hash"]:
-        old, new = json.loads(ckpt["config"]), json.loads(identity["config"])
-        changed = sorted(set(flatten(old).items()) ^ set(flatten(new).items()))
-        problem = f"configuration changed ({', '.join(sorted({k for k, _ in changed}))})"
-    elif ckpt["round"] > rounds:
-        problem = f"it is at round {ckpt['round']}, beyond federation.rounds={rounds}"
-    if problem is None or on_config_change == "resume":
-        return ckpt
-    if on_config_change == "restart":
-        print(f"{path}: {problem}; starting afresh")
-        return None
-    raise CheckpointError(
-        f"{path}: {problem}. Pass --on-config-change restart to discard it, "
-        "or --on-config-change resume to continue from it anyway."
-    )
-
-
 def train_run(
     exp: ResolvedExperiment, run_name: str, raw_hp: dict, root: Path, steps,
-    on_config_change: str = "refuse", tracking_uri: str = "sqlite:///mlflow.db",
+    on_config_change: str = "refuse", tracking: TrackingConfig = TrackingConfig(),
     flow_run_id: str = "",
 ) -> dict[str, float]:
     data = load_partition(root / PARTITIONS / exp.dataset)
@@ -253,59 +219,60 @@ def train_run(
     identity = run_identity(exp, run_name, raw_hp, data.manifest_hash)
     fedcfg = exp.federation
 
-    ckpt = resume_point(paths.checkpoint, identity, fedcfg.rounds, on_config_change)
-    if ckpt is None:
-        state, history, tables, run_id, comm = fed.initial_state(), [], {}, None, [0, 0]
-    else:
-        state = RunState(ckpt["round"], fed.to_device(ckpt["server"]), ckpt["clients"])
-        history, tables, run_id, comm = ckpt["history"], ckpt["tables"], ckpt["mlflow_run_id"], ckpt["comm"]
-        print(f"{exp.name}/{run_name}: resuming from round {state.round}")
+    with Run(paths, identity, tracking, exp.seed, total=fedcfg.rounds, unit="round",
+             on_config_change=on_config_change) as run:
+        ckpt = run.resumed
+        if ckpt is None:
+            state, history, tables, comm, skipped = fed.initial_state(), [], {}, [0, 0], 0
+        else:
+            state = RunState(ckpt["round"], fed.to_device(ckpt["server"]), ckpt["clients"])
+            history, tables, comm, skipped = ckpt["history"], ckpt["tables"], ckpt["comm"], ckpt.get("skipped", 0)
+            print(f"{run.label}: resuming from round {state.round}")
+        run.track(exp.name, flatten({"experiment": exp.model_dump(mode="json"), "algorithm": raw_hp}),
+                  run_tags(exp, data.partition, run_name, fed.algorithm.name, fed.algorithm.citation,
+                           data.manifest_hash, identity["config_hash"], flow_run_id))
+        run.log(history, "round")  # what a failed MLflow write left unlogged
 
-    tracker = MlflowRun(tracking_uri, exp.name, f"{run_name}-seed{exp.seed}", run_id)
-    tracker.log_params_and_tags(
-        flatten({"experiment": exp.model_dump(mode="json"), "algorithm": raw_hp}),
-        run_tags(exp, data.partition, run_name, fed.algorithm.name, fed.algorithm.citation, data.manifest_hash,
-                 identity["config_hash"], flow_run_id),
-    )
+        def snapshot() -> dict:
+            return {
+                **identity, "round": state.round, "server": state.server, "clients": state.clients,
+                "history": history, "tables": tables, "mlflow_run_id": run.tracker.run_id, "logged": run.logged,
+                "comm": comm, "skipped": skipped, "seed": exp.seed,
+            }
 
-    def snapshot() -> dict:
-        return {
-            **identity, "round": state.round, "server": state.server, "clients": state.clients,
-            "history": history, "tables": tables, "mlflow_run_id": tracker.run_id, "comm": comm,
-            "seed": exp.seed,
-        }
+        run.snapshot = snapshot
+        for round_idx in run.steps(state.round):
+            with run.mutating():
+                state = steps.round(fed, state, round_idx)
+            comm = [comm[0] + state.bytes_up, comm[1] + state.bytes_down]
+            done = state.round
+            if state.reported == 0:
+                skipped += 1
+                print(f"{run.label} round {done}: no sampled client reported (federation.dropout="
+                      f"{fedcfg.dropout}); round skipped", file=sys.stderr)
+            evaluated = done % fedcfg.eval_every == 0 or done == fedcfg.rounds
+            if evaluated:
+                per_client = steps.evaluate(fed, done, state)
+                history.append({"round": done, **summarize_eval(per_client), "comm/bytes_up": comm[0],
+                                "comm/bytes_down": comm[1], "rounds/skipped": skipped})
+                tables["last"] = per_client
+                if best_index(history, data.task) == len(history) - 1:
+                    tables["best"] = per_client
+            if done % fedcfg.checkpoint_every == 0 or done == fedcfg.rounds:
+                steps.checkpoint(paths.checkpoint, done, snapshot())
+            if evaluated:
+                run.log(history, "round")
+                run.note(", ".join(f"{k}={v:.4f}" for k, v in history[-1].items()
+                                   if k.endswith(("acc_mean", "mse_mean"))), at=done)
 
-    bar = progress(f"{exp.name}/{run_name}/seed{exp.seed}", fedcfg.rounds, state.round, "round")
-    for round_idx in range(state.round, fedcfg.rounds):
-        state = steps.round(fed, state, round_idx)
-        comm = [comm[0] + state.bytes_up, comm[1] + state.bytes_down]
-        done = state.round
-        if done % fedcfg.eval_every == 0 or done == fedcfg.rounds:
-            per_client = steps.evaluate(fed, done, state)
-            record = {"round": done, **summarize_eval(per_client),
-                      "comm/bytes_up": comm[0], "comm/bytes_down": comm[1]}
-            history.append(record)
-            tables["last"] = per_client
-            if best_index(history, data.task) == len(history) - 1:
-                tables["best"] = per_client
-            tracker.log_metrics({k: v for k, v in record.items() if k != "round"}, step=done)
-            summary = ", ".join(f"{k}={v:.4f}" for k, v in record.items() if k.endswith(("acc_mean", "mse_mean")))
-            bar.set_postfix_str(summary, refresh=False)
-            bar.write(f"{exp.name}/{run_name} round {done}: {summary}")
-        if done % fedcfg.checkpoint_every == 0 or done == fedcfg.rounds:
-            steps.checkpoint(paths.checkpoint, done, snapshot())
-        bar.update()
-    bar.close()
+        final = final_metrics(history, data.task)
 
-    final = final_metrics(history, data.task)
-    write_dvc_outputs(paths.metrics, paths.curve, final, history)
-    tracker.log_metrics(final, step=history[-1]["round"])
-    with tempfile.TemporaryDirectory() as tmp:
-        write_csv(Path(tmp) / "clients_last.csv", per_client_rows(tables["last"]))
-        write_csv(Path(tmp) / "clients_best.csv", per_client_rows(tables["best"]))
-        learning_curve_png(Path(tmp) / "learning_curve.png", history, data.task, f"{exp.name}: {run_name}")
-        tracker.log_artifacts(Path(tmp))
-    tracker.finish()
+        def artifacts(tmp: Path) -> None:
+            write_csv(tmp / "clients_last.csv", per_client_rows(tables["last"]))
+            write_csv(tmp / "clients_best.csv", per_client_rows(tables["best"]))
+            learning_curve_png(tmp / "learning_curve.png", history, data.task, f"{exp.name}: {run_name}")
+
+        run.finish(final, history, artifacts)
     return final
 
 
@@ -320,7 +287,7 @@ def train_flow(
     exp = params.experiment(experiment).model_copy(update={"seed": seed})
     return train_run(
         exp, run_name, params.algorithms[run_name], Path(root), prefect_steps(exp.engine), on_config_change,
-        params.tracking.mlflow_uri, str(flow_run.id),
+        params.tracking, str(flow_run.id),
     )
 
 
@@ -348,19 +315,21 @@ def train_experiment(
     results keyed by (algorithm, seed)."""
     params = validate_params(load_params(params_path))
     exp = params.experiment(experiment)
+    open_store(tracking_uri(params.tracking.mlflow_uri))
     results = {}
-    for run_name in exp.algorithms:
-        for seed in exp.seeds:
-            if exp.engine.orchestrator == "prefect":
-                results[run_name, seed] = train_flow.with_options(task_runner=task_runner(exp.engine))(
-                    experiment, run_name, seed, params_path, root, on_config_change
-                )
-            else:
-                results[run_name, seed] = train_run(
-                    exp.model_copy(update={"seed": seed}), run_name, params.algorithms[run_name],
-                    Path(root), InlineSteps(exp.engine.max_workers), on_config_change,
-                    params.tracking.mlflow_uri,
-                )
+    orchestrated = exp.engine.orchestrator == "prefect"
+    with prefect_api() if orchestrated else contextlib.nullcontext():
+        for run_name in exp.algorithms:
+            for seed in exp.seeds:
+                if orchestrated:
+                    results[run_name, seed] = train_flow.with_options(task_runner=task_runner(exp.engine))(
+                        experiment, run_name, seed, params_path, root, on_config_change
+                    )
+                else:
+                    results[run_name, seed] = train_run(
+                        exp.model_copy(update={"seed": seed}), run_name, params.algorithms[run_name],
+                        Path(root), InlineSteps(exp.engine.max_workers), on_config_change, params.tracking,
+                    )
     return results
 
 
@@ -373,12 +342,7 @@ def main(argv: list[str] | None = None) -> int:
         help="what to do with a checkpoint written under another configuration",
     )
     args = parser.parse_args(argv)
-    try:
-        train_experiment(args.experiment, args.params, ".", args.on_config_change)
-    except (ConfigError, DataValidationError, CheckpointError) as err:
-        print(f"train failed: {err}", file=sys.stderr)
-        return 2
-    return 0
+    return stage_main("train", lambda: train_experiment(args.experiment, args.params, ".", args.on_config_change))
 
 
 if __name__ == "__main__":

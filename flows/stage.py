@@ -1,0 +1,136 @@
+"""What every stage's entry point shares: its own Prefect server, and the exit path.
+
+A stage (without PREFECT_API_URL) owns a `prefect server start` child bound to 127.0.0.1. The
+child lives in its own session, so a terminal's Ctrl-C reaches only the stage, which stops its
+runs cleanly and then the server; and it carries a parent-death signal, so it dies with the
+stage even when the stage is killed with SIGKILL.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+import urllib.request
+from collections.abc import Callable, Iterator
+
+from pfl_tasks.compare import ComparisonError
+from pfl_tasks.config import ConfigError
+from pfl_tasks.data import DataValidationError
+from pfl_tasks.data.partition import PartitionError
+from pfl_tasks.data.sources import SourceError
+from pfl_tasks.engine.checkpoint import CheckpointError
+from pfl_tasks.files import OutputLockedError
+from pfl_tasks.runs import RunStopped
+from pfl_tasks.tracking import TrackingError
+
+EXPECTED = (ConfigError, DataValidationError, PartitionError, SourceError, CheckpointError, OutputLockedError,
+            TrackingError, ComparisonError)
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with(parent: int) -> Callable[[], None]:
+    def preexec() -> None:  # in the child, before exec
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent:  # the parent died before prctl took effect
+            os._exit(1)
+
+    return preexec
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def prefect_api() -> Iterator[str]:
+    """The Prefect API this stage's flows report to: PREFECT_API_URL when set, else a server of
+    the stage's own, stopped (SIGTERM to its PID) when the stage ends, however it ends."""
+    from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS, temporary_settings
+
+    if PREFECT_API_URL.value():
+        yield PREFECT_API_URL.value()
+        return
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}/api"
+    with tempfile.TemporaryFile("w+") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with(os.getpid()),
+            env={**os.environ, "PREFECT_SERVER_UI_ENABLED": "false"},
+        )
+        try:
+            deadline = time.monotonic() + PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS.value()
+            while True:
+                try:
+                    with urllib.request.urlopen(f"{url}/health", timeout=2):
+                        break
+                except OSError:
+                    if proc.poll() is not None or time.monotonic() > deadline:
+                        log.seek(0)
+                        raise RuntimeError(f"the stage's Prefect server did not start:\n{log.read()[-2000:]}") from None
+                    time.sleep(0.2)
+            with temporary_settings({PREFECT_API_URL: url}):
+                os.environ["PREFECT_API_URL"] = url  # and for child processes (e.g. dvc repro's stages)
+                try:
+                    yield url
+                finally:
+                    _drain_prefect_workers()  # else they retry against the stopped server at exit
+                    os.environ.pop("PREFECT_API_URL", None)
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def _drain_prefect_workers() -> None:
+    """Send the logs and events Prefect's client still holds (as its test harness does)."""
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
+    with contextlib.suppress(RuntimeError):  # never started
+        APILogWorker.instance().drain()
+    EventsWorker.drain_all()
+
+
+def _stop(signum, frame) -> None:
+    raise RunStopped(signum)
+
+
+def stage_main(name: str, work: Callable[[], object]) -> int:
+    """Run `work` and map its end to an exit code: 0 done; 2 a clear error of config, data,
+    checkpoint, lock or tracking (one line); 128 + N stopped by signal N (SIGTERM stops it
+    cleanly, as SIGINT does); 1 anything else (traceback, then one line)."""
+    previous = signal.signal(signal.SIGTERM, _stop)
+    try:
+        work()
+    except RunStopped as err:
+        print(f"{name} {err}", file=sys.stderr)
+        return 128 + err.signum
+    except KeyboardInterrupt:
+        print(f"{name} stopped by SIGINT", file=sys.stderr)
+        return 128 + signal.SIGINT
+    except EXPECTED as err:
+        print(f"{name} failed: {err}", file=sys.stderr)
+        return 2
+    except Exception as err:
+        traceback.print_exc()
+        print(f"{name} failed: {type(err).__name__}: {err}", file=sys.stderr)
+        return 1
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    return 0
