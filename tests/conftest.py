@@ -96,6 +96,13 @@ def mlflow_uri(root=None) -> str:
     return f"sqlite:///{_MLFLOW_DIR}/mlflow.db"
 
 
+def tracking(**options):
+    """The `tracking` section for the session's store."""
+    from pfl_tasks.config import TrackingConfig
+
+    return TrackingConfig(**{"mlflow_uri": mlflow_uri(), **options})
+
+
 @pytest.fixture(scope="session")
 def prefect_harness():
     """A temporary Prefect server and database for the whole session (it starts in seconds)."""
@@ -112,7 +119,8 @@ def train_tiny(root, prepared_digits, experiment: str = "tiny", **engine) -> dic
 
     import yaml
 
-    from flows.train import RunPaths, train_experiment
+    from flows.train import train_experiment
+    from pfl_tasks.runs import RunPaths
 
     shutil.copytree(prepared_digits, root / "data" / "partitions" / "digits")
     data = tiny_params(algorithms=["fedavg", "ditto"])

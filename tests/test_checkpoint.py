@@ -5,10 +5,11 @@ import argparse
 import pytest
 import torch
 
-from conftest import mlflow_uri, tiny_params
-from flows.train import InlineSteps, RunPaths, train_run
+from conftest import tiny_params, tracking
+from flows.train import InlineSteps, train_run
 from pfl_tasks.config import parse_params
 from pfl_tasks.engine.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from pfl_tasks.runs import RunPaths
 
 
 class Killed(Exception):
@@ -32,7 +33,7 @@ def train(root, algorithm="fedprox", steps=None, on_config_change="refuse", **ov
     params = parse_params(tiny_params(federation={"rounds": 6, **overrides}))
     return train_run(
         params.experiment("tiny"), algorithm, params.algorithms[algorithm], root,
-        steps or InlineSteps(2), on_config_change, mlflow_uri(root),
+        steps or InlineSteps(2), on_config_change, tracking(),
     )
 
 
@@ -74,7 +75,7 @@ def test_longer_run_continues_a_finished_one(project):
     ckpt = RunPaths.of(project, "tiny", "fedprox", 0).checkpoint
     params = parse_params(tiny_params(federation={"rounds": 8}))
     final = train_run(params.experiment("tiny"), "fedprox", {"mu": 0.5}, project, InlineSteps(2),
-                      "refuse", mlflow_uri(project))
+                      "refuse", tracking())
     assert final["final/round"] == 8 and load_checkpoint(ckpt, {})["round"] == 8
 
 
