@@ -159,11 +159,11 @@ def learn2pfed_flow(experiment: str, supervision: str, seed: int, params_path: s
                            "supervision": supervision}),
                   run_tags(exp, problems.partition, run_name, "learn2pfed", "Lv et al., arXiv:2401.08327",
                            data_hash, identity["config_hash"], str(flow_run.id)))
-        run.log(history, "epoch")
+        run.log(history)
 
         def snapshot() -> dict:
             return {**identity, "round": len(history), "cells": cells.state_dict(), "optimizer": opt.state_dict(),
-                    "history": history, "mlflow_run_id": run.tracker.run_id, "logged": run.logged, "seed": seed}
+                    "history": history, "mlflow_run_id": run.tracker.run_id, "seed": seed}
 
         run.snapshot = snapshot
         every = cfg.meta.checkpoint_every
@@ -174,7 +174,7 @@ def learn2pfed_flow(experiment: str, supervision: str, seed: int, params_path: s
                 history += [{"epoch": e, "meta/loss": sup, "meta/fit_loss": fit}
                             for e, (sup, fit) in enumerate(block, start)]
             checkpoint(paths.checkpoint, stop, snapshot())
-            run.log(history, "epoch")
+            run.log(history)
             run.note(f"meta loss={history[-1]['meta/loss']:.4f}")
 
         per_client = evaluate_clients(cells, cfg, problems)

@@ -86,7 +86,8 @@ def prefect_api() -> Iterator[str]:
                 try:
                     yield url
                 finally:
-                    _drain_prefect_workers()  # else they retry against the stopped server at exit
+                    with contextlib.suppress(Exception):  # never to mask how the stage ended
+                        _drain_prefect_workers()  # else they retry against the stopped server at exit
                     os.environ.pop("PREFECT_API_URL", None)
         finally:
             proc.terminate()

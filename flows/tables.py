@@ -91,12 +91,12 @@ def write_tables(params_path: str = "params.yaml", root: str = ".") -> list[Path
         md = root / REPORTS / "markdown" / f"{name}.md"
         atomic_write_text(md, text)
         atomic_write_text(root / REPORTS / "tables" / f"{name}.json", blob)
-        tracker = MlflowRun(params.tracking.mlflow_uri, "tables", name, None)
-        with tempfile.TemporaryDirectory() as tmp:
+        with MlflowRun(params.tracking.mlflow_uri, "tables", name, None, params.tracking.retry_seconds) as tracker, \
+                tempfile.TemporaryDirectory() as tmp:
             (Path(tmp) / md.name).write_text(text)
             (Path(tmp) / f"{name}.json").write_text(blob)
             tracker.log_artifacts(Path(tmp))
-        tracker.finish()
+            tracker.finish()
         print(text)
         written.append(md)
     return written

@@ -231,37 +231,37 @@ def train_run(
         run.track(exp.name, flatten({"experiment": exp.model_dump(mode="json"), "algorithm": raw_hp}),
                   run_tags(exp, data.partition, run_name, fed.algorithm.name, fed.algorithm.citation,
                            data.manifest_hash, identity["config_hash"], flow_run_id))
-        run.log(history, "round")  # what a failed MLflow write left unlogged
+        run.log(history)  # what a failed MLflow write left unlogged
 
         def snapshot() -> dict:
             return {
                 **identity, "round": state.round, "server": state.server, "clients": state.clients,
-                "history": history, "tables": tables, "mlflow_run_id": run.tracker.run_id, "logged": run.logged,
+                "history": history, "tables": tables, "mlflow_run_id": run.tracker.run_id,
                 "comm": comm, "skipped": skipped, "seed": exp.seed,
             }
 
         run.snapshot = snapshot
         for round_idx in run.steps(state.round):
-            with run.mutating():
+            with run.mutating():  # the round, then its evaluation
                 state = steps.round(fed, state, round_idx)
-            comm = [comm[0] + state.bytes_up, comm[1] + state.bytes_down]
-            done = state.round
-            if state.reported == 0:
-                skipped += 1
-                print(f"{run.label} round {done}: no sampled client reported (federation.dropout="
-                      f"{fedcfg.dropout}); round skipped", file=sys.stderr)
-            evaluated = done % fedcfg.eval_every == 0 or done == fedcfg.rounds
-            if evaluated:
-                per_client = steps.evaluate(fed, done, state)
-                history.append({"round": done, **summarize_eval(per_client), "comm/bytes_up": comm[0],
-                                "comm/bytes_down": comm[1], "rounds/skipped": skipped})
-                tables["last"] = per_client
-                if best_index(history, data.task) == len(history) - 1:
-                    tables["best"] = per_client
+                comm = [comm[0] + state.bytes_up, comm[1] + state.bytes_down]
+                done = state.round
+                if state.reported == 0:
+                    skipped += 1
+                    print(f"{run.label} round {done}: no sampled client reported (federation.dropout="
+                          f"{fedcfg.dropout}); round skipped", file=sys.stderr)
+                evaluated = done % fedcfg.eval_every == 0 or done == fedcfg.rounds
+                if evaluated:
+                    per_client = steps.evaluate(fed, done, state)
+                    history.append({"round": done, **summarize_eval(per_client), "comm/bytes_up": comm[0],
+                                    "comm/bytes_down": comm[1], "rounds/skipped": skipped})
+                    tables["last"] = per_client
+                    if best_index(history, data.task) == len(history) - 1:
+                        tables["best"] = per_client
             if done % fedcfg.checkpoint_every == 0 or done == fedcfg.rounds:
                 steps.checkpoint(paths.checkpoint, done, snapshot())
             if evaluated:
-                run.log(history, "round")
+                run.log(history)
                 run.note(", ".join(f"{k}={v:.4f}" for k, v in history[-1].items()
                                    if k.endswith(("acc_mean", "mse_mean"))), at=done)
 

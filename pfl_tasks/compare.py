@@ -17,7 +17,7 @@ from pathlib import Path
 import pandas as pd
 
 from pfl_tasks.engine.evaluate import HIGHER_IS_BETTER
-from pfl_tasks.files import atomic_write_text
+from pfl_tasks.files import atomic_write, atomic_write_text
 
 
 class ComparisonError(ValueError):
@@ -198,10 +198,7 @@ def clients_png(path: Path, client, ranked: list[Ranked], metric: str, title: st
 
 
 def _save(fig, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=100)
-    tmp.replace(path)
+    atomic_write(path, lambda fh: fig.savefig(fh, dpi=100, format="png"), binary=True)
 
 
 def write_report(client, experiment: str, report_dir: Path, figure_dir: Path,

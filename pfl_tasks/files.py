@@ -13,10 +13,13 @@ from pathlib import Path
 from typing import IO
 
 
-def _umask() -> int:
+def _read_umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
+
+
+UMASK = _read_umask()  # once, at import: reading it sets it, which other threads would see
 
 
 def temp_prefix(path: Path) -> str:
@@ -31,7 +34,7 @@ def atomic_write(path: Path, write: Callable[[IO], None], binary: bool = False, 
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=temp_prefix(path), dir=path.parent)
     try:
-        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp creates 0600
+        os.fchmod(fd, 0o666 & ~UMASK)  # mkstemp creates 0600
         with os.fdopen(fd, "wb" if binary else "w") as fh:
             write(fh)
             if fsync:
@@ -53,7 +56,7 @@ def atomic_directory(path: Path, fill: Callable[[Path], None]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=temp_prefix(path), dir=path.parent))
     try:
-        tmp.chmod(0o777 & ~_umask())  # mkdtemp creates 0700
+        tmp.chmod(0o777 & ~UMASK)  # mkdtemp creates 0700
         fill(tmp)
         if path.exists():
             shutil.rmtree(path)

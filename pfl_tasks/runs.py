@@ -2,19 +2,20 @@
 time, resume from its checkpoint, MLflow tracking, progress, checkpoints before logging, final
 outputs, and a failure path that leaves nothing RUNNING and nothing half-written.
 
-    with Run(paths, identity, tracking, total=rounds, unit="round") as run:
+    with Run(paths, identity, tracking, seed, total=rounds, unit="round") as run:
         state = ... run.resumed ...             # None, or the checkpoint to resume from
-        run.track(params, tags)
+        run.track(experiment, params, tags)
         run.snapshot = lambda: {...}            # the checkpoint of the state between steps
         for step in run.steps(start):           # stops between steps on SIGTERM/SIGINT
-            with run.mutating():                # the state is inconsistent in here
-                state = ...
+            with run.mutating():                # the step and its evaluation: inconsistent in here
+                state = ...; history.append(...)
             ... checkpoint ...; run.log(history)
         run.finish(final, curve, artifacts)
 
-On an exception or signal the run saves `snapshot()` if the state is consistent, marks its
-MLflow run FAILED (KILLED for a signal) with the reason, and re-raises. A second signal stops
-at once; a first one finishes the step under way.
+`unit` ("round", "epoch") is also the step key of the history records. On an exception or
+signal the run saves `snapshot()` if the state is consistent, marks its MLflow run FAILED
+(KILLED for a signal) with the reason, and re-raises. A first signal finishes the step under
+way; a second stops at once.
 """
 
 from __future__ import annotations
@@ -77,8 +78,9 @@ def resume_point(path: Path, identity: dict, total: int, on_config_change: str) 
     )
 
 
-class RunStopped(Exception):
-    """SIGTERM or SIGINT asked the run to stop."""
+class RunStopped(BaseException):
+    """SIGTERM or SIGINT asked the run to stop (a BaseException, as KeyboardInterrupt: no
+    `except Exception` on the way may swallow it)."""
 
     def __init__(self, signum: int):
         self.signum = signum
@@ -95,6 +97,7 @@ class Run:
         self.tracker: MlflowRun | None = None
         self.snapshot: Callable[[], dict] | None = None
         self.logged = 0  # history records already in MLflow
+        self.done = 0  # steps completed
         self.bar = None
         self._consistent = True
         self._stop: int | None = None
@@ -108,7 +111,7 @@ class Run:
             remove_stale_temporaries(self.paths.checkpoint, self.paths.metrics, self.paths.curve)
             self.resumed = resume_point(self.paths.checkpoint, self.identity, self.total, self.on_config_change)
             if self.resumed is not None:
-                self.logged = self.resumed.get("logged", len(self.resumed.get("history", [])))
+                self.done = self.resumed["round"]
         except BaseException:
             self._lock.__exit__()
             raise
@@ -117,14 +120,14 @@ class Run:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        for sig, handler in self._handlers.items():
-            signal.signal(sig, handler)
         try:
             if self.bar is not None:
                 self.bar.close()
             if exc is not None:
                 self._fail(exc)
         finally:
+            for sig, handler in self._handlers.items():
+                signal.signal(sig, signal.SIG_DFL if handler is None else handler)
             self._lock.__exit__()
         if exc is None and self._stop is not None:  # a signal during the last step: stop the stage too
             raise RunStopped(self._stop)
@@ -138,35 +141,40 @@ class Run:
 
     def _fail(self, exc: BaseException) -> None:
         status = "KILLED" if isinstance(exc, (RunStopped, KeyboardInterrupt)) else "FAILED"
-        where = ""
+        where = f"during {self.unit} {self.done + 1}"
         if self.snapshot is not None and self._consistent:
             try:
                 payload = self.snapshot()
                 save_checkpoint(self.paths.checkpoint, payload)
-                where = f" at {self.unit} {payload['round']} (checkpointed)"
+                where = f"at {self.unit} {payload['round']} (checkpointed)"
             except Exception as err:
                 print(f"{self.label}: could not checkpoint on failure: {err}", file=sys.stderr)
-        reason = f"{type(exc).__name__}{where}: {exc}"
         if self.tracker is None:
             return
-        if isinstance(exc, TrackingError):
-            print(f"{self.label}: MLflow run {self.tracker.run_id} left RUNNING (store unavailable); "
+        try:  # a store that just failed gets a short last try
+            self.tracker.finish(status, f"{type(exc).__name__} {where}: {exc}",
+                                bound=5.0 if isinstance(exc, TrackingError) else None)
+        except (Exception, RunStopped) as err:
+            print(f"{self.label}: MLflow run {self.tracker.run_id} left RUNNING, not marked {status} ({err}); "
                   "a rerun resumes it", file=sys.stderr)
-            return
-        try:
-            self.tracker.finish(status, reason)
-        except Exception as err:
-            print(f"{self.label}: could not mark MLflow run {self.tracker.run_id} {status}: {err}", file=sys.stderr)
 
     # ------------------------------------------------------------------------- during the run
     def track(self, experiment: str, params: dict[str, str], tags: dict[str, str]) -> None:
-        """Open (or resume) the MLflow run, failing stale RUNNING runs of this same output."""
+        """Open (or resume) the MLflow run, tagged from its creation with this output and
+        process; fail the RUNNING runs of this output whose process on this host is dead; and
+        count the history records MLflow already holds (a killed run may have logged past its
+        checkpoint), so that `log` sends each once."""
         run_id = self.resumed.get("mlflow_run_id") if self.resumed else None
+        key = {"experiment": self.identity["experiment"], "algorithm": self.identity["algorithm"],
+               "seed": str(self.seed), "host": socket.gethostname()}
         self.tracker = MlflowRun(self.tracking.mlflow_uri, experiment, f"{self.identity['algorithm']}-seed{self.seed}",
-                                 run_id, self.tracking.retry_seconds)
-        key = {"experiment": self.identity["experiment"], "algorithm": self.identity["algorithm"], "seed": str(self.seed)}
+                                 run_id, self.tracking.retry_seconds, tags={**key, "pid": str(os.getpid())})
         self.tracker.fail_stale_runs(key, "its process died (found RUNNING by a later run of the same output)")
-        self.tracker.log_params_and_tags(params, {**tags, **key, "pid": str(os.getpid()), "host": socket.gethostname()})
+        self.tracker.log_params_and_tags(params, tags)
+        history = self.resumed.get("history", []) if self.resumed else []
+        if history:
+            last = self.tracker.last_step(next(k for k in history[-1] if k != self.unit))
+            self.logged = sum(record[self.unit] <= last for record in history)
 
     def steps(self, start: int, every: int = 1) -> Iterator[int]:
         """`start, start + every, ... < total`, with a progress bar; a requested stop is honoured
@@ -176,7 +184,8 @@ class Run:
             if self._stop is not None:
                 raise RunStopped(self._stop)
             yield step
-            self.bar.update(min(every, self.total - step))
+            self.done = min(step + every, self.total)
+            self.bar.update(self.done - step)
 
     @contextlib.contextmanager
     def mutating(self) -> Iterator[None]:
@@ -191,9 +200,10 @@ class Run:
         if at is not None:
             self.bar.write(f"{self.label} {self.unit} {at}: {summary}")
 
-    def log(self, history: list[dict], step_key: str) -> None:
-        """Send MLflow the records it has not had yet (checkpoint first: `logged` travels in it)."""
-        self.tracker.log_records(history[self.logged:], step_key)
+    def log(self, history: list[dict]) -> None:
+        """Send MLflow the records it has not had yet (after any checkpoint due: a rerun then
+        finds them in the checkpoint)."""
+        self.tracker.log_records(history[self.logged:], self.unit)
         self.logged = len(history)
 
     def finish(self, final: dict[str, float], curve: list[dict], artifacts: Callable[[Path], None]) -> None:

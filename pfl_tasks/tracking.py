@@ -153,17 +153,22 @@ def tracking_uri(configured: str) -> str:
     return os.environ.get("MLFLOW_TRACKING_URI", configured)
 
 
+_UNREACHABLE = ("ConnectionError", "ConnectTimeout", "ReadTimeout", "Timeout", "MaxRetryError", "NewConnectionError")
+
+
 def _transient(err: BaseException) -> bool:
-    """A locked sqlite store, a server briefly down, overloaded or slow: worth another try.
-    MLflow wraps the cause (a connection error) in an MlflowException, so the chain is read."""
+    """A locked sqlite store, a server briefly down, overloaded or slow: worth another try (a
+    permission or a missing file is not). MLflow raises the cause of a failed request as its
+    `__cause__`, so that chain is read."""
     from mlflow.exceptions import MlflowException
 
     while err is not None:
         if isinstance(err, MlflowException) and err.error_code in ("TEMPORARILY_UNAVAILABLE", "REQUEST_LIMIT_EXCEEDED"):
             return True
-        if isinstance(err, (OSError, TimeoutError)) or "database is locked" in str(err):
-            return True  # requests' connection errors are OSErrors
-        err = err.__cause__ or err.__context__
+        if isinstance(err, (ConnectionError, TimeoutError)) or type(err).__name__ in _UNREACHABLE \
+                or "database is locked" in str(err):
+            return True
+        err = err.__cause__
     return False
 
 
@@ -241,8 +246,11 @@ class MlflowRun:
     """One MLflow run per (experiment, algorithm, seed); resumable by run id. Every call to the
     store is retried while it fails transiently, up to `retry_seconds`."""
 
-    def __init__(self, uri: str, experiment: str, run_name: str, run_id: str | None, retry_seconds: float = 120.0):
+    def __init__(self, uri: str, experiment: str, run_name: str, run_id: str | None, retry_seconds: float = 120.0,
+                 tags: dict[str, str] | None = None):
+        """`tags` are set at creation (or on resume), so a run is findable from its first moment."""
         import mlflow
+        from mlflow.entities import RunTag
         from mlflow.tracking import MlflowClient
 
         self.retry_seconds = retry_seconds
@@ -251,15 +259,30 @@ class MlflowRun:
         exp_id = exp.experiment_id if exp else self._call("create experiment", self.client.create_experiment, experiment)
         if run_id is not None:
             try:
-                self.run_id = self._call("get run", self.client.get_run, run_id).info.run_id
+                run = self._call("get run", self.client.get_run, run_id)
+                self.run_id = run.info.run_id
                 self._call("resume run", self.client.update_run, self.run_id, status="RUNNING")
+                if "failure" in run.data.tags:  # of the attempt this one resumes
+                    self._call("resume run", self.client.delete_tag, self.run_id, "failure")
+                self._call("tag run", self.client.log_batch, self.run_id,
+                           tags=[RunTag(k, v) for k, v in (tags or {}).items()])
                 return
             except mlflow.exceptions.MlflowException:
                 pass  # the store was reset: start a new run
-        self.run_id = self._call("create run", self.client.create_run, exp_id, run_name=run_name).info.run_id
+        self.run_id = self._call("create run", self.client.create_run, exp_id, run_name=run_name,
+                                 tags=tags or {}).info.run_id
 
-    def _call(self, what: str, fn, *args, **kwargs):
-        return retrying(lambda: fn(*args, **kwargs), what, self.retry_seconds)
+    def __enter__(self) -> MlflowRun:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        """Outside the run skeleton (e.g. the tables stage): an error marks the run FAILED."""
+        if exc is not None:
+            with contextlib.suppress(Exception):
+                self.finish("FAILED", f"{type(exc).__name__}: {exc}", bound=5.0)
+
+    def _call(self, what: str, fn, *args, bound: float | None = None, **kwargs):
+        return retrying(lambda: fn(*args, **kwargs), what, self.retry_seconds if bound is None else bound)
 
     def log_params_and_tags(self, params: dict[str, str], tags: dict[str, str]) -> None:
         from mlflow.entities import Param, RunTag
@@ -286,22 +309,33 @@ class MlflowRun:
     def log_artifacts(self, directory: Path) -> None:
         self._call("log artifacts", self.client.log_artifacts, self.run_id, str(directory))
 
+    def last_step(self, key: str) -> int:
+        """The last step at which this run holds metric `key`; -1 if none."""
+        history = self._call("read metric", self.client.get_metric_history, self.run_id, key)
+        return max((m.step for m in history), default=-1)
+
     def fail_stale_runs(self, tags: dict[str, str], reason: str) -> list[str]:
-        """Mark FAILED every other RUNNING run carrying `tags`: left by a process that died
-        (the caller holds the lock its live writer would hold)."""
+        """Mark FAILED every other RUNNING run carrying `tags` (a host among them) whose `pid`
+        is no live process on this host: left by a process that died."""
         from mlflow.entities import ViewType
 
         run = self._call("get run", self.client.get_run, self.run_id)
         query = " and ".join([f"tags.`{k}` = '{v}'" for k, v in tags.items()] + ["attributes.status = 'RUNNING'"])
         stale = [r.info.run_id for r in self._call(
             "search runs", self.client.search_runs, [run.info.experiment_id], query, ViewType.ACTIVE_ONLY, 100)
-            if r.info.run_id != self.run_id]
+            if r.info.run_id != self.run_id and not _alive(r.data.tags.get("pid"))]
         for run_id in stale:
             self._call("mark stale run", self.client.set_tag, run_id, "failure", reason)
             self._call("mark stale run", self.client.set_terminated, run_id, "FAILED")
         return stale
 
-    def finish(self, status: str = "FINISHED", reason: str | None = None) -> None:
+    def finish(self, status: str = "FINISHED", reason: str | None = None, bound: float | None = None) -> None:
         if reason is not None:
-            self._call("tag failure", self.client.set_tag, self.run_id, "failure", reason[:5000])
-        self._call("end run", self.client.set_terminated, self.run_id, status=status)
+            self._call("tag failure", self.client.set_tag, self.run_id, "failure", reason[:5000], bound=bound)
+        self._call("end run", self.client.set_terminated, self.run_id, status=status, bound=bound)
+
+
+def _alive(pid: str | None) -> bool:
+    import psutil
+
+    return pid is not None and pid.isdigit() and psutil.pid_exists(int(pid))

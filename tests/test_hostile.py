@@ -19,7 +19,7 @@ from pfl_tasks.config import ConfigError, load_params, parse_params
 from pfl_tasks.data import DataValidationError, load_partition
 from pfl_tasks.data.store import MANIFEST, TABLE, _sha256, sealed
 from pfl_tasks.engine.checkpoint import load_checkpoint
-from pfl_tasks.files import OutputLock, OutputLockedError, atomic_write_text
+from pfl_tasks.files import UMASK, OutputLock, OutputLockedError, atomic_write_text
 from pfl_tasks.runs import RunPaths
 from pfl_tasks.tracking import MlflowRun, TrackingError, retrying
 
@@ -183,28 +183,18 @@ def test_rows_moved_between_clients_are_refused(partition):
 # ----------------------------------------------------------------------------- files and locks
 def test_failed_write_leaves_no_temporary_and_outputs_get_the_umask(tmp_path):
     target = tmp_path / "out" / "seed-0.json"
-    old = os.umask(0o022)
-    try:
-        atomic_write_text(target, "{}")
-        with pytest.raises(ZeroDivisionError):
-            from pfl_tasks.files import atomic_write
+    from pfl_tasks.files import atomic_write
 
-            atomic_write(target, lambda fh: 1 / 0)
-    finally:
-        os.umask(old)
+    atomic_write_text(target, "{}")
+    with pytest.raises(ZeroDivisionError):
+        atomic_write(target, lambda fh: 1 / 0)
     assert sorted(p.name for p in target.parent.iterdir()) == ["seed-0.json"]
-    assert stat.S_IMODE(target.stat().st_mode) == 0o644
+    assert stat.S_IMODE(target.stat().st_mode) == 0o666 & ~UMASK
 
 
 def test_partition_folder_gets_the_umask(prepared_digits):
-    assert stat.S_IMODE(prepared_digits.stat().st_mode) == 0o777 & ~_umask()
-    assert stat.S_IMODE((prepared_digits / TABLE).stat().st_mode) == 0o666 & ~_umask()
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
+    assert stat.S_IMODE(prepared_digits.stat().st_mode) == 0o777 & ~UMASK
+    assert stat.S_IMODE((prepared_digits / TABLE).stat().st_mode) == 0o666 & ~UMASK
 
 
 def test_a_run_sweeps_the_temporaries_a_killed_writer_left(project):
@@ -215,7 +205,7 @@ def test_a_run_sweeps_the_temporaries_a_killed_writer_left(project):
         path.write_text("half")
     train(project)
     assert not any(p.exists() for p in leftovers)
-    assert stat.S_IMODE(paths.checkpoint.stat().st_mode) == 0o666 & ~_umask()
+    assert stat.S_IMODE(paths.checkpoint.stat().st_mode) == 0o666 & ~UMASK
 
 
 def test_a_second_writer_is_refused_naming_the_holder(project):
@@ -226,10 +216,20 @@ def test_a_second_writer_is_refused_naming_the_holder(project):
     assert not paths.checkpoint.exists()
 
 
-def test_a_stale_lock_of_a_dead_process_is_taken_over(project):
+def test_the_lock_of_a_killed_writer_is_taken_over(project):
+    import subprocess
+    import sys
+
     paths = RunPaths.of(project, "tiny", "fedavg", 0)
-    paths.lock.parent.mkdir(parents=True)
-    paths.lock.write_text("999999\n")  # no process holds it any more
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from pfl_tasks.files import OutputLock\n"
+         "with OutputLock(sys.argv[1], 'x'):\n print('held', flush=True); time.sleep(600)", str(paths.lock)],
+        stdout=subprocess.PIPE, text=True, cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert holder.stdout.readline().strip() == "held"
+    with pytest.raises(OutputLockedError, match=f"PID {holder.pid}"):
+        train(project)
+    holder.kill()
+    holder.wait()
     assert train(project)["final/round"] == 6
 
 
@@ -336,29 +336,64 @@ def test_concurrent_first_use_of_a_fresh_store_does_not_race_its_migration(tmp_p
     assert [p.returncode for p in procs] == [0, 0, 0], errors
 
 
-def test_a_crash_marks_the_run_failed_with_the_reason_and_checkpoints(project):
-    class Crash(InlineSteps):
-        def evaluate(self, fed, round_idx, state):
-            if round_idx == 4:
-                raise RuntimeError("boom")
-            return super().evaluate(fed, round_idx, state)
+class CrashIn(InlineSteps):
+    """Raises in `step` (evaluate or checkpoint) of round 4."""
 
+    def __init__(self, step: str):
+        super().__init__(2)
+        self.step = step
+
+    def evaluate(self, fed, round_idx, state):
+        if (self.step, round_idx) == ("evaluate", 4):
+            raise RuntimeError("boom")
+        return super().evaluate(fed, round_idx, state)
+
+    def checkpoint(self, path, round_idx, payload):
+        if (self.step, round_idx) == ("checkpoint", 4):
+            raise RuntimeError("boom")
+        super().checkpoint(path, round_idx, payload)
+
+
+@pytest.mark.parametrize("step, reason, checkpointed", [
+    ("evaluate", "RuntimeError during round 4: boom", 3),  # mid-round: the last checkpoint stands
+    ("checkpoint", "RuntimeError at round 4 (checkpointed): boom", 4),  # between rounds: saved
+])
+def test_a_crash_marks_the_run_failed_with_the_reason_and_a_rerun_resumes_exactly(
+        project, tmp_path_factory, step, reason, checkpointed):
+    import shutil
+
+    other = tmp_path_factory.mktemp("uncrashed")
+    shutil.copytree(project / "data", other / "data")
     with pytest.raises(RuntimeError, match="boom"):
-        train(project, "local", steps=Crash(2))
-    run = mlflow_runs(algorithm="local")[1][0]
-    assert run.info.status == "FAILED"
-    assert run.data.tags["failure"] == "RuntimeError at round 4 (checkpointed): boom"
-    assert load_checkpoint(RunPaths.of(project, "tiny", "local", 0).checkpoint, {})["round"] == 4
+        train(project, "local", steps=CrashIn(step))
+    client, runs = mlflow_runs(algorithm="local")
+    crashed = [r for r in runs if r.data.tags.get("failure")]
+    assert [(r.info.status, r.data.tags["failure"]) for r in crashed] == [("FAILED", reason)]
+    paths = RunPaths.of(project, "tiny", "local", 0)
+    assert load_checkpoint(paths.checkpoint, {})["round"] == checkpointed
+    assert train(project, "local") == train(other, "local")
+    assert [h["round"] for h in load_checkpoint(paths.checkpoint, {})["history"]] == [2, 4, 6]
+    resumed = client.get_run(crashed[0].info.run_id)
+    assert resumed.info.status == "FINISHED" and "failure" not in resumed.data.tags
+    points = client.get_metric_history(resumed.info.run_id, "personalized/acc_mean")
+    assert sorted(m.step for m in points) == [2, 4, 6]  # each evaluation logged once
 
 
-def test_a_run_left_running_by_a_dead_process_is_marked_failed(project):
-    orphan = MlflowRun(mlflow_uri(), "tiny", "fedprox-seed0", None)
-    orphan.log_params_and_tags({}, {"experiment": "tiny", "algorithm": "fedprox", "seed": "0"})
+def test_a_run_left_running_by_a_dead_process_is_marked_failed_a_live_ones_not(project):
+    import socket
+    import subprocess
+
+    dead = subprocess.Popen(["true"])  # a PID that no longer runs
+    dead.wait()
+    key = {"experiment": "tiny", "algorithm": "fedprox", "seed": "0", "host": socket.gethostname()}
+    orphan = MlflowRun(mlflow_uri(), "tiny", "fedprox-seed0", None, tags={**key, "pid": str(dead.pid)})
+    live = MlflowRun(mlflow_uri(), "tiny", "fedprox-seed0", None, tags={**key, "pid": str(os.getpid())})
     train(project, "fedprox")
-    client, runs = mlflow_runs(algorithm="fedprox")
+    client, _ = mlflow_runs(algorithm="fedprox")
     left = client.get_run(orphan.run_id)
     assert left.info.status == "FAILED" and "its process died" in left.data.tags["failure"]
-    assert not [r for r in runs if r.info.status == "RUNNING"]
+    assert client.get_run(live.run_id).info.status == "RUNNING"  # its process may still be writing
+    live.finish()
 
 
 # ----------------------------------------------------------------------------- client dropout

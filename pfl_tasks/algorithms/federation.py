@@ -58,12 +58,11 @@ class Federation:
         if fed.clients_per_round is not None and fed.clients_per_round > data.n_clients:
             raise ConfigError(f"{where}.clients_per_round: {fed.clients_per_round} exceeds the "
                               f"{data.n_clients} clients of dataset '{exp.dataset}'")
-        if algorithm.full_participation:
-            for key, value, full in (("participation", fed.participation, 1.0), ("dropout", fed.dropout, 0.0),
-                                     ("clients_per_round", fed.clients_per_round, None)):
-                if value != full and not (key == "clients_per_round" and value == data.n_clients):
-                    raise ConfigError(f"{where}.{key}: {algorithm.name} needs every client every round "
-                                      f"(its server rule averages all of them); got {value}")
+        self.per_round = fed.clients_per_round or max(1, round(fed.participation * data.n_clients))
+        if algorithm.full_participation and (self.per_round < data.n_clients or fed.dropout):
+            key = "dropout" if fed.dropout else "clients_per_round" if fed.clients_per_round else "participation"
+            raise ConfigError(f"{where}.{key}: {algorithm.name} needs every client every round "
+                              "(its server rule averages all of them)")
         algorithm.n_clients = data.n_clients
         algorithm.tau = exp.local.steps or exp.local.epochs
         self.device = resolve_device(exp.engine.device)
@@ -93,9 +92,8 @@ class Federation:
         (seed, round) alone: who drops does not depend on who else was sampled. A dropped client
         is as if unsampled: its local work is lost and its state stays as it was."""
         fed = self.exp.federation
-        k = fed.clients_per_round or max(1, round(fed.participation * self.n_clients))
         rng = np.random.default_rng([self.exp.seed, round_idx, 0x5A3])
-        ids = np.sort(rng.choice(self.n_clients, k, replace=False))
+        ids = np.sort(rng.choice(self.n_clients, self.per_round, replace=False))
         if fed.dropout:
             drops = np.random.default_rng([self.exp.seed, round_idx, 0xD209]).random(self.n_clients) < fed.dropout
             ids = ids[~drops[ids]]
