@@ -96,7 +96,7 @@ class Run:
         self.resumed: dict | None = None
         self.tracker: MlflowRun | None = None
         self.snapshot: Callable[[], dict] | None = None
-        self.logged = 0  # history records already in MLflow
+        self.logged_through = -1  # the last step whose history record MLflow holds
         self.done = 0  # steps completed
         self.bar = None
         self._consistent = True
@@ -147,8 +147,8 @@ class Run:
                 payload = self.snapshot()
                 save_checkpoint(self.paths.checkpoint, payload)
                 where = f"at {self.unit} {payload['round']} (checkpointed)"
-            except Exception as err:
-                print(f"{self.label}: could not checkpoint on failure: {err}", file=sys.stderr)
+            except (Exception, RunStopped) as err:
+                print(f"{self.label}: could not checkpoint on failure: {err!r}", file=sys.stderr)
         if self.tracker is None:
             return
         try:  # a store that just failed gets a short last try
@@ -162,8 +162,8 @@ class Run:
     def track(self, experiment: str, params: dict[str, str], tags: dict[str, str]) -> None:
         """Open (or resume) the MLflow run, tagged from its creation with this output and
         process; fail the RUNNING runs of this output whose process on this host is dead; and
-        count the history records MLflow already holds (a killed run may have logged past its
-        checkpoint), so that `log` sends each once."""
+        find the last record MLflow already holds (a killed run may have logged past its
+        checkpoint), so that `log` sends each once. A record's last key is logged last."""
         run_id = self.resumed.get("mlflow_run_id") if self.resumed else None
         key = {"experiment": self.identity["experiment"], "algorithm": self.identity["algorithm"],
                "seed": str(self.seed), "host": socket.gethostname()}
@@ -173,8 +173,7 @@ class Run:
         self.tracker.log_params_and_tags(params, tags)
         history = self.resumed.get("history", []) if self.resumed else []
         if history:
-            last = self.tracker.last_step(next(k for k in history[-1] if k != self.unit))
-            self.logged = sum(record[self.unit] <= last for record in history)
+            self.logged_through = self.tracker.last_step(list(history[-1])[-1])
 
     def steps(self, start: int, every: int = 1) -> Iterator[int]:
         """`start, start + every, ... < total`, with a progress bar; a requested stop is honoured
@@ -203,8 +202,9 @@ class Run:
     def log(self, history: list[dict]) -> None:
         """Send MLflow the records it has not had yet (after any checkpoint due: a rerun then
         finds them in the checkpoint)."""
-        self.tracker.log_records(history[self.logged:], self.unit)
-        self.logged = len(history)
+        self.tracker.log_records([r for r in history if r[self.unit] > self.logged_through], self.unit)
+        if history:
+            self.logged_through = max(self.logged_through, history[-1][self.unit])
 
     def finish(self, final: dict[str, float], curve: list[dict], artifacts: Callable[[Path], None]) -> None:
         """DVC metrics and curve, the final metrics and `artifacts(dir)`'s files to MLflow, FINISHED."""

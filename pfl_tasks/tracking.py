@@ -158,8 +158,8 @@ _UNREACHABLE = ("ConnectionError", "ConnectTimeout", "ReadTimeout", "Timeout", "
 
 def _transient(err: BaseException) -> bool:
     """A locked sqlite store, a server briefly down, overloaded or slow: worth another try (a
-    permission or a missing file is not). MLflow raises the cause of a failed request as its
-    `__cause__`, so that chain is read."""
+    permission or a missing file is not). MLflow wraps a failed request's error in an
+    MlflowException raised while handling it, so the cause/context chain is read."""
     from mlflow.exceptions import MlflowException
 
     while err is not None:
@@ -168,7 +168,7 @@ def _transient(err: BaseException) -> bool:
         if isinstance(err, (ConnectionError, TimeoutError)) or type(err).__name__ in _UNREACHABLE \
                 or "database is locked" in str(err):
             return True
-        err = err.__cause__
+        err = err.__cause__ or err.__context__
     return False
 
 
@@ -336,6 +336,8 @@ class MlflowRun:
 
 
 def _alive(pid: str | None) -> bool:
+    """A live process other than this one (whose earlier runs of an output it holds the lock
+    of are over; a restarted container may reuse its PID)."""
     import psutil
 
-    return pid is not None and pid.isdigit() and psutil.pid_exists(int(pid))
+    return pid is not None and pid.isdigit() and int(pid) != os.getpid() and psutil.pid_exists(int(pid))

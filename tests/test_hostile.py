@@ -252,6 +252,28 @@ def test_transient_store_errors_are_retried_with_backoff(monkeypatch):
     assert waits == [0.5, 1.0, 2.0]
 
 
+def test_a_server_briefly_down_is_retried(monkeypatch):
+    """MLflow's REST client raises a plain MlflowException while handling the connection error."""
+    import requests
+    from mlflow.exceptions import MlflowException
+
+    attempts = []
+
+    def call():
+        attempts.append(1)
+        if len(attempts) < 3:
+            try:
+                raise requests.exceptions.ConnectionError("Connection refused")
+            except requests.exceptions.ConnectionError as err:
+                raise MlflowException(f"API request failed with exception {err}")  # noqa: B904
+        return "ok"
+
+    monkeypatch.setattr("time.sleep", lambda s: None)
+    assert retrying(call, "log", bound=60) == "ok" and len(attempts) == 3
+    with pytest.raises(PermissionError):  # not transient: at once
+        retrying(lambda: (_ for _ in ()).throw(PermissionError("read-only artifact root")), "log", 60)
+
+
 def test_store_unavailable_past_the_bound_is_a_tracking_error(monkeypatch):
     from mlflow.exceptions import MlflowException
     from mlflow.protos.databricks_pb2 import TEMPORARILY_UNAVAILABLE
@@ -354,29 +376,33 @@ class CrashIn(InlineSteps):
         super().checkpoint(path, round_idx, payload)
 
 
-@pytest.mark.parametrize("step, reason, checkpointed", [
-    ("evaluate", "RuntimeError during round 4: boom", 3),  # mid-round: the last checkpoint stands
-    ("checkpoint", "RuntimeError at round 4 (checkpointed): boom", 4),  # between rounds: saved
+@pytest.mark.parametrize("step, every, reason, checkpointed", [
+    ("evaluate", {}, "RuntimeError during round 4: boom", 3),  # mid-round: the last checkpoint stands
+    ("checkpoint", {}, "RuntimeError at round 4 (checkpointed): boom", 4),  # between rounds: saved
+    # round 3 was logged after the checkpoint at 2: the rerun must not log it again
+    ("evaluate", {"eval_every": 1, "checkpoint_every": 2}, "RuntimeError during round 4: boom", 2),
 ])
 def test_a_crash_marks_the_run_failed_with_the_reason_and_a_rerun_resumes_exactly(
-        project, tmp_path_factory, step, reason, checkpointed):
+        project, tmp_path_factory, step, every, reason, checkpointed):
     import shutil
 
     other = tmp_path_factory.mktemp("uncrashed")
     shutil.copytree(project / "data", other / "data")
     with pytest.raises(RuntimeError, match="boom"):
-        train(project, "local", steps=CrashIn(step))
+        train(project, "local", steps=CrashIn(step), **every)
     client, runs = mlflow_runs(algorithm="local")
     crashed = [r for r in runs if r.data.tags.get("failure")]
     assert [(r.info.status, r.data.tags["failure"]) for r in crashed] == [("FAILED", reason)]
     paths = RunPaths.of(project, "tiny", "local", 0)
     assert load_checkpoint(paths.checkpoint, {})["round"] == checkpointed
-    assert train(project, "local") == train(other, "local")
-    assert [h["round"] for h in load_checkpoint(paths.checkpoint, {})["history"]] == [2, 4, 6]
+    assert train(project, "local", **every) == train(other, "local", **every)
+    evaluated = list(range(every.get("eval_every", 2), 7, every.get("eval_every", 2)))
+    assert [h["round"] for h in load_checkpoint(paths.checkpoint, {})["history"]] == evaluated
     resumed = client.get_run(crashed[0].info.run_id)
     assert resumed.info.status == "FINISHED" and "failure" not in resumed.data.tags
-    points = client.get_metric_history(resumed.info.run_id, "personalized/acc_mean")
-    assert sorted(m.step for m in points) == [2, 4, 6]  # each evaluation logged once
+    for key in ("personalized/acc_mean", "rounds/skipped"):
+        points = client.get_metric_history(resumed.info.run_id, key)
+        assert sorted(m.step for m in points) == evaluated  # each evaluation logged once
 
 
 def test_a_run_left_running_by_a_dead_process_is_marked_failed_a_live_ones_not(project):
@@ -385,15 +411,21 @@ def test_a_run_left_running_by_a_dead_process_is_marked_failed_a_live_ones_not(p
 
     dead = subprocess.Popen(["true"])  # a PID that no longer runs
     dead.wait()
+    alive = subprocess.Popen(["sleep", "60"])
     key = {"experiment": "tiny", "algorithm": "fedprox", "seed": "0", "host": socket.gethostname()}
-    orphan = MlflowRun(mlflow_uri(), "tiny", "fedprox-seed0", None, tags={**key, "pid": str(dead.pid)})
-    live = MlflowRun(mlflow_uri(), "tiny", "fedprox-seed0", None, tags={**key, "pid": str(os.getpid())})
-    train(project, "fedprox")
-    client, _ = mlflow_runs(algorithm="fedprox")
-    left = client.get_run(orphan.run_id)
-    assert left.info.status == "FAILED" and "its process died" in left.data.tags["failure"]
-    assert client.get_run(live.run_id).info.status == "RUNNING"  # its process may still be writing
-    live.finish()
+    orphans = [MlflowRun(mlflow_uri(), "tiny", "fedprox-seed0", None, tags={**key, "pid": str(pid)})
+               for pid in (dead.pid, os.getpid())]  # an earlier attempt in this very process is over too
+    live = MlflowRun(mlflow_uri(), "tiny", "fedprox-seed0", None, tags={**key, "pid": str(alive.pid)})
+    try:
+        train(project, "fedprox")
+        client, _ = mlflow_runs(algorithm="fedprox")
+        for orphan in orphans:
+            left = client.get_run(orphan.run_id)
+            assert left.info.status == "FAILED" and "its process died" in left.data.tags["failure"]
+        assert client.get_run(live.run_id).info.status == "RUNNING"  # its process may still be writing
+    finally:
+        alive.kill()
+        live.finish()
 
 
 # ----------------------------------------------------------------------------- client dropout
