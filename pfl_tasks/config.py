@@ -23,12 +23,21 @@ PositiveInt = Annotated[int, Field(gt=0, strict=True)]
 PositiveFloat = Annotated[float, Field(gt=0, strict=True)]
 Fraction = Annotated[float, Field(gt=0, lt=1, strict=True)]
 Float = Annotated[float, Field(strict=True)]
+NonNegativeFloat = Annotated[float, Field(ge=0, strict=True)]
 Bool = Annotated[bool, Field(strict=True)]
 Seed = Annotated[int, Field(ge=0, strict=True)]
 Seeds = Annotated[list[Seed], Field(min_length=1)]
 # experiment, dataset, algorithm and table names become path components and MLflow names
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
 Name = Annotated[str, Field(pattern=NAME_PATTERN)]
+
+
+def _once(values: list | None, what: str) -> list | None:
+    """`values`, unless one is listed twice."""
+    repeated = sorted({v for v in values or [] if values.count(v) > 1})
+    if repeated:
+        raise ValueError(f"{what} listed twice: {repeated}")
+    return values
 
 
 class ConfigError(ValueError):
@@ -55,13 +64,13 @@ class SyntheticSource(Strict):
     """FedProx Synthetic(alpha, beta) (Li et al., MLSys 2020, sec. 5.1)."""
 
     name: Literal["synthetic"]
-    alpha: Annotated[float, Field(strict=True, ge=0)] = 0.5
-    beta: Annotated[float, Field(strict=True, ge=0)] = 0.5
+    alpha: NonNegativeFloat = 0.5
+    beta: NonNegativeFloat = 0.5
     n_clients: PositiveInt = 30
     dim: PositiveInt = 60
     n_classes: Annotated[int, Field(strict=True, ge=2)] = 10
     size_log_mean: Float = 4.0
-    size_log_sigma: Annotated[float, Field(strict=True, ge=0)] = 2.0
+    size_log_sigma: NonNegativeFloat = 2.0
     size_min: PositiveInt = 50
     size_max: PositiveInt | None = None
 
@@ -79,7 +88,7 @@ class PolynomialSource(Strict):
     setting: Literal[1, 2, 3] = 1
     n_clients: PositiveInt = 5
     n_points: PositiveInt = 1000
-    noise: Annotated[float, Field(strict=True, ge=0)] = 0.1
+    noise: NonNegativeFloat = 0.1
 
 
 CHICAGO_STATIONS = (  # the station columns of modeldata::Chicago, in its order
@@ -103,10 +112,7 @@ class ChicagoSource(Strict):
         unknown = [s for s in stations or [] if s not in CHICAGO_STATIONS]
         if unknown:
             raise ValueError(f"unknown station(s) {unknown}; valid: {list(CHICAGO_STATIONS)}")
-        repeated = sorted({s for s in stations or [] if stations.count(s) > 1})
-        if repeated:
-            raise ValueError(f"stations listed twice: {repeated}")
-        return stations
+        return _once(stations, "stations")
 
 
 class FashionMNISTSource(Strict):
@@ -209,7 +215,7 @@ class OptimizerConfig(Strict):
     name: Literal["sgd", "adam"] = "sgd"
     lr: PositiveFloat = 0.05
     momentum: Annotated[float, Field(strict=True, ge=0, lt=1)] = 0.0
-    weight_decay: Annotated[float, Field(strict=True, ge=0)] = 0.0
+    weight_decay: NonNegativeFloat = 0.0
     betas: tuple[Fraction, Fraction] = (0.9, 0.999)
     eps: PositiveFloat = 1e-8
 
@@ -334,10 +340,7 @@ class ExperimentConfig(Strict):
     @field_validator("seeds")
     @classmethod
     def _distinct(cls, seeds: list[int] | None) -> list[int] | None:
-        repeated = sorted({s for s in seeds or [] if seeds.count(s) > 1})
-        if repeated:
-            raise ValueError(f"seeds listed twice: {repeated}")
-        return seeds
+        return _once(seeds, "seeds")
 
 
 class ResolvedExperiment(Strict):
