@@ -54,7 +54,7 @@ MODELS = {"mlp": {"kind": "mlp", "hidden": [100]},  # 64-100-10
 # ----------------------------------------------------------------------------- set-ups
 def digits_shaped(n_clients: int, per_client: int, image: bool, seed: int = 0) -> FederatedData:
     """Random 8x8 'digits' with a learnable label rule, `per_client` train and a quarter of
-    that test samples per client."""
+    that validation and test samples per client."""
     gen = torch.Generator().manual_seed(seed)
     shape = (1, 8, 8) if image else (64,)
 
@@ -64,7 +64,8 @@ def digits_shaped(n_clients: int, per_client: int, image: bool, seed: int = 0) -
         counts = torch.full((n_clients,), n)
         return ClientSplit(x.reshape(-1, *shape), y, torch.arange(n_clients) * n, counts)
 
-    return FederatedData("bench", "classification", 10, shape, split(per_client), split(max(1, per_client // 4)),
+    held_out = max(1, per_client // 4)
+    return FederatedData("bench", "classification", 10, shape, split(per_client), split(held_out), split(held_out),
                          "bench")
 
 
@@ -162,8 +163,8 @@ def p2(reps: int, rounds: int) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         from pfl_tasks.data import load_partition
 
-        data = load_partition(prepare("digits", "params.yaml", Path(tmp)))
-    fed = Federation(exp, build("fedavg", params.algorithms["fedavg"]), data)
+        data = load_partition(prepare("digits", "params.yaml", Path(tmp)) / "seed-0")
+    fed = Federation(exp, build("fedavg", exp.hyper["fedavg"]), data)
     every, workers = exp.federation.eval_every, exp.engine.max_workers
 
     def rounds_with(steps):
@@ -233,7 +234,7 @@ def profile(rounds: int) -> dict:
         prepare("digits", "params.yaml", Path(tmp) / "data" / "partitions")
 
         def run(seed: int):
-            train_run(exp.model_copy(update={"seed": seed}), "fedavg", params.algorithms["fedavg"], Path(tmp),
+            train_run(exp.model_copy(update={"seed": seed}), "fedavg", exp.hyper["fedavg"], Path(tmp),
                       InlineSteps(2), tracking=TrackingConfig(mlflow_uri=f"sqlite:///{tmp}/mlflow.db"))
 
         run(0)

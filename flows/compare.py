@@ -1,5 +1,6 @@
-"""`compare` stage: per experiment, a report built from MLflow alone — a ranking with mean ± std
-over seeds, learning curves (personalized and global) and per-client distributions.
+"""`compare` stage: per experiment, a report built from MLflow alone — a ranking with 95% CIs,
+significance marks, plateau, compute and communication columns, learning curves, metric against
+compute, and per-client distributions (the protocol: pfl_tasks/reports.py).
 
 Writes `reports/compare/<experiment>.md` with its PNGs in `reports/figures/`. Without names,
 every experiment of the params file that MLflow has runs of.
@@ -10,27 +11,17 @@ every experiment of the params file that MLflow has runs of.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
 import flows  # noqa: F401  (environment defaults)
-from pfl_tasks.compare import ComparisonError, write_report
 from flows.stage import stage_main
 from pfl_tasks.config import load_params
+from pfl_tasks.reports import ComparisonError, configured_runs, write_report
+from pfl_tasks.tracking import tracking_uri as configured_uri
 
 REPORTS = Path("reports/compare")
 FIGURES = Path("reports/figures")
-
-
-def configured_runs(params, experiment: str) -> set[tuple[str, int]]:
-    """(algorithm, seed) of every run the params file configures for `experiment`, Learn2pFed's
-    included: older runs under names since removed stay out of the report."""
-    exp = params.experiment(experiment)
-    names = list(exp.algorithms)
-    if experiment in params.learn2pfed:
-        names += [f"learn2pfed-{s}" for s in params.learn2pfed[experiment].supervision]
-    return {(name, seed) for name in names for seed in exp.seeds}
 
 
 def compare(experiments: list[str] | None = None, params_path: str = "params.yaml", tracking_uri: str | None = None,
@@ -38,7 +29,7 @@ def compare(experiments: list[str] | None = None, params_path: str = "params.yam
     from mlflow.tracking import MlflowClient
 
     params = load_params(params_path)
-    uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI", params.tracking.mlflow_uri)
+    uri = tracking_uri or configured_uri(params.tracking.mlflow_uri)
     client = MlflowClient(tracking_uri=uri)
     if experiments is None:  # every configured experiment that has runs
         experiments = [e for e in params.experiments if client.get_experiment_by_name(e) is not None]
@@ -48,10 +39,10 @@ def compare(experiments: list[str] | None = None, params_path: str = "params.yam
     rankings = {}
     for experiment in experiments:
         only = configured_runs(params, experiment) if experiment in params.experiments else None
-        rankings[experiment] = write_report(client, experiment, root / REPORTS, root / FIGURES, only)
-        best = rankings[experiment][0]
-        print(f"{experiment}: {len(rankings[experiment])} methods ranked, best {best.method} "
-              f"({best.personalized[0]:.4f}) -> {root / REPORTS / experiment}.md")
+        results = rankings[experiment] = write_report(client, experiment, root / REPORTS, root / FIGURES, only)
+        ranked = [r for r in results if r.ranked]
+        best = f"best {ranked[0].method} ({ranked[0].personalized[0]:.4f})" if ranked else "none ranked"
+        print(f"{experiment}: {len(ranked)} methods ranked, {best} -> {root / REPORTS / experiment}.md")
     return rankings
 
 

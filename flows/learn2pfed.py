@@ -1,6 +1,6 @@
 """`learn2pfed` stage: Learn2pFed's meta-parameters trained downstream of an experiment.
 
-For every supervision signal (`train`, `heldout`) and seed of the experiment, one Prefect flow
+For every supervision signal (`train`, `val`) and seed of the experiment, one Prefect flow
 run: `problems` (each client's data as stacks; for classification, features from the body of
 the upstream `train` checkpoint named by `features_from`, whose head also starts w), then
 `meta-epochs-A-B` tasks of `meta.checkpoint_every` outer steps, each followed by a checkpoint,
@@ -24,14 +24,13 @@ from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 
 from flows.stage import prefect_api, stage_main
-from flows.train import PARTITIONS
 from pfl_tasks.algorithms import build, validate_params
 from pfl_tasks.algorithms.learn2pfed import Cells
 from pfl_tasks.algorithms.learn2pfed_meta import (
-    communication, evaluate, heldout_rows, make_optimizer, meta_epoch, padded_problem, participation,
+    communication, evaluate, make_optimizer, meta_epoch, padded_problem, participation,
 )
 from pfl_tasks.config import ConfigError, Learn2pFedConfig, ResolvedExperiment, config_hash, load_params
-from pfl_tasks.data import FederatedData, load_partition
+from pfl_tasks.data import FederatedData, load_partition, partition_dir
 from pfl_tasks.engine.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from pfl_tasks.nets import build_net, embed, head_keys, split_net
 from pfl_tasks.runs import Run, RunPaths
@@ -64,7 +63,7 @@ def upstream_features(exp: ResolvedExperiment, params, data: FederatedData, run_
     ckpt = load_checkpoint(path, {"experiment": exp.name, "algorithm": run_name})
     if ckpt["round"] != exp.federation.rounds:
         raise CheckpointError(f"{path}: at round {ckpt['round']} of {exp.federation.rounds}; finish train@{exp.name} first")
-    model = build(run_name, params.algorithms[run_name]).global_model(ckpt["server"], ckpt["clients"])
+    model = build(run_name, exp.hyper[run_name]).global_model(ckpt["server"], ckpt["clients"])
     where = f"learn2pfed.{exp.name}.features_from"
     if model is None:
         raise ConfigError(f"{where}: '{run_name}' has no global model to take a body from")
@@ -83,7 +82,7 @@ def upstream_features(exp: ResolvedExperiment, params, data: FederatedData, run_
 
 @task(**TASK_OPTIONS, task_run_name="problems")
 def build_problems(exp, params, cfg: Learn2pFedConfig, supervision: str, root: Path) -> Problems:
-    data = load_partition(root / PARTITIONS / exp.dataset)
+    data = load_partition(partition_dir(root, exp.dataset, exp.seed))
     n_classes = data.n_classes if data.task == "classification" else 0
     if n_classes:
         if cfg.features_from is None:
@@ -99,10 +98,8 @@ def build_problems(exp, params, cfg: Learn2pFedConfig, supervision: str, root: P
     train = padded_problem(data.train, train_features, n_classes)
     if supervision == "train":
         fit = supervise = train
-    else:
-        held = heldout_rows(data.train, cfg.heldout_fraction, exp.seed)
-        fit = padded_problem(data.train, train_features, n_classes, ~held, "fit")
-        supervise = padded_problem(data.train, train_features, n_classes, held, "held-out")
+    else:  # the cells fit the training split, the meta loss is taken on the validation split
+        fit, supervise = train, padded_problem(data.val, features(data.val.x), n_classes, name="validation")
     test = padded_problem(data.test, features(data.test.x), n_classes, name="test")
     return Problems(train, fit, supervise, test, w0, upstream, data.manifest_hash, data.partition)
 
@@ -137,7 +134,7 @@ def learn2pfed_flow(experiment: str, supervision: str, seed: int, params_path: s
     problems = build_problems(exp, params, cfg, supervision, root)
     data_hash = problems.data_hash
     config = {
-        "experiment": exp.model_dump(mode="json", exclude={"engine", "algorithms", "seeds", "federation", "local"}),
+        "experiment": exp.model_dump(mode="json", exclude={"engine", "algorithms", "hyper", "seeds", "federation", "local"}),
         "learn2pfed": cfg.model_dump(mode="json", exclude={"supervision": True, "meta": {"epochs", "checkpoint_every"}}),
         "supervision": supervision, "data": data_hash, "upstream": problems.upstream, "code": source_hash(),
     }
@@ -155,7 +152,7 @@ def learn2pfed_flow(experiment: str, supervision: str, seed: int, params_path: s
             history = run.resumed["history"]
             print(f"{run.label}: resuming from meta-epoch {len(history)}")
         run.track(exp.name,
-                  flatten({"experiment": exp.model_dump(mode="json"), "learn2pfed": cfg.model_dump(mode="json"),
+                  flatten({"experiment": exp.model_dump(mode="json", exclude={"hyper"}), "learn2pfed": cfg.model_dump(mode="json"),
                            "supervision": supervision}),
                   run_tags(exp, problems.partition, run_name, "learn2pfed", "Lv et al., arXiv:2401.08327",
                            data_hash, identity["config_hash"], str(flow_run.id)))
@@ -179,6 +176,7 @@ def learn2pfed_flow(experiment: str, supervision: str, seed: int, params_path: s
 
         per_client = evaluate_clients(cells, cfg, problems)
         task_kind = "classification" if problems.test.n_classes else "regression"
+        per_client = {"test": per_client}
         final = final_metrics([{"round": cfg.meta.epochs, **summarize_eval(per_client)}], task_kind)
         final.update(communication(problems.train, cfg.cells))
         final.update({"meta/loss_first": history[0]["meta/loss"], "meta/loss_last": history[-1]["meta/loss"],
@@ -190,6 +188,7 @@ def learn2pfed_flow(experiment: str, supervision: str, seed: int, params_path: s
 
         def artifacts(tmp: Path) -> None:
             write_csv(tmp / "clients_last.csv", per_client_rows(per_client))
+            write_csv(tmp / "clients_selected.csv", per_client_rows(per_client))
             write_csv(tmp / "participation.csv", [
                 {"cell": c, "client_id": i, **{f"lam_{j}": float(x) for j, x in enumerate(row)}}
                 for c, layer in enumerate(lam) for i, row in enumerate(layer)
@@ -198,7 +197,7 @@ def learn2pfed_flow(experiment: str, supervision: str, seed: int, params_path: s
         run.finish(final, [{"epoch": h["epoch"], "meta_loss": h["meta/loss"], "fit_loss": h["meta/fit_loss"]}
                            for h in history], artifacts)
     print(f"{run.label}: " + ", ".join(
-        f"{k}={v:.4f}" for k, v in final.items() if k.startswith("final/") and k.endswith(("acc_mean", "mse_mean"))))
+        f"{k}={v:.4f}" for k, v in final.items() if k.startswith("final/test/") and k.endswith(("acc_mean", "mse_mean"))))
     return final
 
 

@@ -20,7 +20,7 @@ import traceback
 import urllib.request
 from collections.abc import Callable, Iterator
 
-from pfl_tasks.compare import ComparisonError
+from pfl_tasks.reports import ComparisonError
 from pfl_tasks.config import ConfigError
 from pfl_tasks.data import DataValidationError
 from pfl_tasks.data.partition import PartitionError

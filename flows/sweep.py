@@ -23,6 +23,7 @@ from flows.stage import prefect_api, stage_main
 from pfl_tasks.algorithms import validate_params
 from pfl_tasks.config import SweepConfig, parse_params
 from pfl_tasks.files import atomic_write_text
+from pfl_tasks.reports import winner_on_validation
 
 SWEEPS = Path("sweeps")
 
@@ -30,13 +31,17 @@ SWEEPS = Path("sweeps")
 @flow(name="pfl-sweep", flow_run_name="sweep-{sweep.name}", persist_result=False)
 def sweep_flow(sweep: SweepConfig) -> dict:
     """Validates the sweep into params (errors name the key), writes them to
-    `sweeps/<name>/params.yaml` and runs the pipeline there; returns the ranking."""
+    `sweeps/<name>/params.yaml` and runs the pipeline there; returns the ranking (on test) and
+    the method best on validation, the sweep's choice."""
     raw = sweep.params()
     validate_params(parse_params(raw))
     root = SWEEPS / sweep.name
     params_path = root / "params.yaml"
     atomic_write_text(params_path, yaml.safe_dump(raw, sort_keys=False))
-    return pipeline_flow(str(params_path), str(root))
+    rankings = pipeline_flow(str(params_path), str(root))
+    winner = winner_on_validation(rankings[sweep.experiment_name])
+    print(f"sweep {sweep.name}: {winner} is best on validation")
+    return {"ranking": rankings[sweep.experiment_name], "winner_on_validation": winner}
 
 
 def main(argv: list[str] | None = None) -> int:

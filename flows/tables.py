@@ -1,10 +1,13 @@
 """`tables` stage: the paper-style comparison tables of `params.yaml: tables`.
 
 Rows are methods (every algorithm of the `train` stage and Learn2pFed's runs), columns are
-experiments; a cell is the personalized test metric (accuracy, or MSE for regression) as
-mean over clients, averaged over seeds, +- the std over clients (averaged over seeds) and
-[+- the sample std over seeds]. Writes `reports/markdown/<table>.md` and the DVC metrics file
-`reports/tables/<table>.json`, and logs both to MLflow (experiment `tables`).
+experiments. The runs and every number come from the same place as the `compare` report
+(`pfl_tasks.reports`): per configured (method, seed) the newest finished run in MLflow; a cell
+is the personalized test metric at the round selected on validation, mean over clients and
+seeds [95% CI], marked ≈ when not significantly different from the column's best and † when
+the personalized model is the global one; a diverged method reads "diverged at round R".
+Writes `reports/markdown/<table>.md` and the DVC metrics file `reports/tables/<table>.json`,
+and logs both to MLflow (experiment `tables`).
 
     python -m flows.tables
 """
@@ -13,80 +16,78 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import tempfile
 from pathlib import Path
 
 import flows  # noqa: F401  (environment defaults)
 from flows.stage import stage_main
-from pfl_tasks.config import ConfigError, TableConfig, load_params
+from pfl_tasks.config import ConfigError, Params, TableConfig, load_params
 from pfl_tasks.files import atomic_write_text
-from pfl_tasks.tracking import MlflowRun
+from pfl_tasks.reports import (
+    MethodResult, collect, configured_runs, diverged_note, interval, marks, primary_metric, protocol_lines, summarize,
+)
+from pfl_tasks.tracking import MlflowRun, tracking_uri
 
-METRICS = Path("metrics")
 REPORTS = Path("reports")
 
 
-def method_results(root: Path, experiment: str) -> dict[str, list[dict]]:
-    """method -> final metrics of each seed, from the train and learn2pfed stages' files."""
-    found: dict[str, list[dict]] = {}
-    for base in (root / METRICS / experiment, root / METRICS / "learn2pfed" / experiment):
-        for path in sorted(base.glob("*/seed-*.json")):
-            found.setdefault(path.parent.name, []).append(json.loads(path.read_text()))
-    return found
+def cell(result: MethodResult, metric: str) -> dict:
+    if not result.ranked:
+        return {"metric": metric, "status": diverged_note(result) if result.diverged else "no per-client results"}
+    point, low, high = result.personalized
+    return {"metric": metric, "mean": point, "ci_low": low, "ci_high": high, "seeds": len(result.seeds),
+            "not_worse_than_best": result.indistinguishable(), "global_only": result.global_only,
+            "marks": marks(result)}
 
 
-def cell(seeds: list[dict]) -> dict[str, float]:
-    metric = "acc" if "final/personalized/acc_mean" in seeds[0] else "mse"
-    means = [s[f"final/personalized/{metric}_mean"] for s in seeds]
-    return {
-        "metric": metric,
-        "mean": statistics.fmean(means),
-        "std_clients": statistics.fmean(s[f"final/personalized/{metric}_std"] for s in seeds),
-        "std_seeds": statistics.stdev(means) if len(means) > 1 else 0.0,
-        "seeds": len(seeds),
-    }
-
-
-def build_table(root: Path, table: TableConfig) -> dict[str, dict[str, dict]]:
-    results = {exp: method_results(root, exp) for exp in table.experiments}
-    missing = [exp for exp, found in results.items() if not found]
-    if missing:
-        raise ConfigError(f"no metrics under {root / METRICS} for experiment(s) {missing}: run their stages first")
-    found_any = {m for found in results.values() for m in found}
-    unknown = sorted(set(table.methods or []) - found_any)
+def build_table(client, params: Params, table: TableConfig) -> dict[str, dict[str, dict]]:
+    """method -> experiment -> cell."""
+    unknown = sorted(set(table.experiments) - set(params.experiments))
     if unknown:
-        raise ConfigError(f"tables: no runs of method(s) {unknown} (found: {sorted(found_any)})")
-    methods = table.methods or sorted(found_any)
-    return {m: {exp: cell(found[m]) for exp, found in results.items() if m in found} for m in methods}
+        raise ConfigError(f"tables: experiment(s) {unknown} are not under 'experiments'")
+    columns = {}
+    for experiment in table.experiments:
+        newest = collect(client, experiment, configured_runs(params, experiment))
+        metric = primary_metric(newest)
+        columns[experiment] = {r.method: cell(r, metric) for r in summarize(client, newest, metric)}
+    found = {m for column in columns.values() for m in column}
+    missing = sorted(set(table.methods or []) - found)
+    if missing:
+        raise ConfigError(f"tables: no runs of method(s) {missing} (found: {sorted(found)})")
+    methods = table.methods or sorted(found)
+    return {m: {exp: column[m] for exp, column in columns.items() if m in column} for m in methods}
+
+
+def _text(c: dict | None) -> str:
+    if c is None:
+        return "–"
+    if "status" in c:
+        return c["status"]
+    return f"{interval((c['mean'], c['ci_low'], c['ci_high']))}{c['marks']}"
 
 
 def markdown(name: str, rows: dict[str, dict[str, dict]], columns: list[str]) -> str:
-    metrics = {c["metric"] for row in rows.values() for c in row.values()}
-    what = " / ".join("accuracy (higher is better)" if m == "acc" else "MSE (lower is better)" for m in sorted(metrics))
     lines = [
-        f"# {name}: personalized test {what}",
+        f"# {name}",
         "",
-        "Mean over clients, averaged over seeds ± std over clients [± std over seeds].",
+        *protocol_lines(),
         "",
         "| method | " + " | ".join(columns) + " |",
         "|---|" + "---|" * len(columns),
     ]
-    for method, row in rows.items():
-        cells = [
-            f"{c['mean']:.4g} ± {c['std_clients']:.3g} [± {c['std_seeds']:.2g}, {c['seeds']} seeds]" if c else "–"
-            for c in (row.get(col) for col in columns)
-        ]
-        lines.append(f"| {method} | " + " | ".join(cells) + " |")
+    lines += [f"| {method} | " + " | ".join(_text(row.get(col)) for col in columns) + " |" for method, row in rows.items()]
     return "\n".join(lines) + "\n"
 
 
 def write_tables(params_path: str = "params.yaml", root: str = ".") -> list[Path]:
+    from mlflow.tracking import MlflowClient
+
     params, root = load_params(params_path), Path(root)
+    client = MlflowClient(tracking_uri=tracking_uri(params.tracking.mlflow_uri))
     written = []
     for name, table in params.tables.items():
-        rows = build_table(root, table)
+        rows = build_table(client, params, table)
         text, blob = markdown(name, rows, table.experiments), json.dumps(rows, indent=1, sort_keys=True)
         md = root / REPORTS / "markdown" / f"{name}.md"
         atomic_write_text(md, text)

@@ -29,26 +29,25 @@ from flows.stage import prefect_api, stage_main
 from pfl_tasks.config import (
     ConfigError, EngineConfig, ResolvedExperiment, TrackingConfig, config_hash, load_params,
 )
-from pfl_tasks.data import load_partition
+from pfl_tasks.data import load_partition, partition_dir
 from pfl_tasks.engine.checkpoint import save_checkpoint
 from pfl_tasks.engine.state import gather
 from pfl_tasks.runs import Run, RunPaths
 from pfl_tasks.tracking import (
-    best_index,
     final_metrics,
     flatten,
     learning_curve_png,
     open_store,
     per_client_rows,
+    personalized_is_global,
+    plateau,
     run_tags,
+    selected_index,
     source_hash,
     summarize_eval,
     tracking_uri,
     write_csv,
 )
-
-PARTITIONS = Path("data/partitions")
-
 
 # ----------------------------------------------------------------------------- round steps
 def run_round(steps, fed: Federation, state: RunState, round_idx: int) -> RunState:
@@ -194,7 +193,7 @@ def run_identity(exp: ResolvedExperiment, run_name: str, raw_hp: dict, data_hash
     `federation.rounds` is left out (a longer run continues a shorter one), and so is the
     engine (resume on another device or executor)."""
     config = {
-        "experiment": exp.model_dump(mode="json", exclude={"engine", "algorithms", "seeds"}),
+        "experiment": exp.model_dump(mode="json", exclude={"engine", "algorithms", "hyper", "seeds"}),
         "algorithm": raw_hp,
         "data": data_hash,
         "code": source_hash(),
@@ -213,7 +212,7 @@ def train_run(
     on_config_change: str = "refuse", tracking: TrackingConfig = TrackingConfig(),
     flow_run_id: str = "",
 ) -> dict[str, float]:
-    data = load_partition(root / PARTITIONS / exp.dataset)
+    data = load_partition(partition_dir(root, exp.dataset, exp.seed))
     fed = Federation(exp, build(run_name, raw_hp), data)
     paths = RunPaths.of(root, exp.name, run_name, exp.seed)
     identity = run_identity(exp, run_name, raw_hp, data.manifest_hash)
@@ -223,12 +222,12 @@ def train_run(
              on_config_change=on_config_change) as run:
         ckpt = run.resumed
         if ckpt is None:
-            state, history, tables, comm, skipped = fed.initial_state(), [], {}, [0, 0], 0
+            state, history, tables, spent, skipped = fed.initial_state(), [], {}, dict.fromkeys(COSTS, 0), 0
         else:
             state = RunState(ckpt["round"], fed.to_device(ckpt["server"]), ckpt["clients"])
-            history, tables, comm, skipped = ckpt["history"], ckpt["tables"], ckpt["comm"], ckpt.get("skipped", 0)
+            history, tables, spent, skipped = ckpt["history"], ckpt["tables"], ckpt["spent"], ckpt["skipped"]
             print(f"{run.label}: resuming from round {state.round}")
-        run.track(exp.name, flatten({"experiment": exp.model_dump(mode="json"), "algorithm": raw_hp}),
+        run.track(exp.name, flatten({"experiment": exp.model_dump(mode="json", exclude={"hyper"}), "algorithm": raw_hp}),
                   run_tags(exp, data.partition, run_name, fed.algorithm.name, fed.algorithm.citation,
                            data.manifest_hash, identity["config_hash"], flow_run_id))
         run.log(history)  # what a failed MLflow write left unlogged
@@ -237,43 +236,57 @@ def train_run(
             return {
                 **identity, "round": state.round, "server": state.server, "clients": state.clients,
                 "history": history, "tables": tables, "mlflow_run_id": run.tracker.run_id,
-                "comm": comm, "skipped": skipped, "seed": exp.seed,
+                "spent": spent, "skipped": skipped, "seed": exp.seed,
             }
 
         run.snapshot = snapshot
         for round_idx in run.steps(state.round):
             with run.mutating():  # the round, then its evaluation
                 state = steps.round(fed, state, round_idx)
-                comm = [comm[0] + state.bytes_up, comm[1] + state.bytes_down]
                 done = state.round
+                spent = add_costs(spent, state)
                 if state.reported == 0:
                     skipped += 1
                     print(f"{run.label} round {done}: no sampled client reported (federation.dropout="
                           f"{fedcfg.dropout}); round skipped", file=sys.stderr)
+                broken = fed.nonfinite(state)
+                if broken is not None:
+                    return run.diverged(done, f"{broken} is not finite after round {done}", history)
                 evaluated = done % fedcfg.eval_every == 0 or done == fedcfg.rounds
                 if evaluated:
-                    per_client = steps.evaluate(fed, done, state)
-                    history.append({"round": done, **summarize_eval(per_client), "comm/bytes_up": comm[0],
-                                    "comm/bytes_down": comm[1], "rounds/skipped": skipped})
-                    tables["last"] = per_client
-                    if best_index(history, data.task) == len(history) - 1:
-                        tables["best"] = per_client
+                    evaluation = steps.evaluate(fed, done, state)
+                    history.append({"round": done, **summarize_eval(evaluation.metrics), **spent,
+                                    "compute/eval_grad_samples": evaluation.grad_samples,
+                                    "rounds/skipped": skipped})
+                    tables["last"] = evaluation.metrics
+                    if selected_index(history, data.task) == len(history) - 1:
+                        tables["selected"] = evaluation.metrics
             if done % fedcfg.checkpoint_every == 0 or done == fedcfg.rounds:
                 steps.checkpoint(paths.checkpoint, done, snapshot())
             if evaluated:
                 run.log(history)
-                run.note(", ".join(f"{k}={v:.4f}" for k, v in history[-1].items()
-                                   if k.endswith(("acc_mean", "mse_mean"))), at=done)
+                run.note(", ".join(f"{k.removeprefix('test/')}={v:.4f}" for k, v in history[-1].items()
+                                   if k.startswith("test/") and k.endswith(("acc_mean", "mse_mean"))), at=done)
 
-        final = final_metrics(history, data.task)
+        final = {**final_metrics(history, data.task), **plateau(history, data.task),
+                 "selected/personalized_is_global": float(personalized_is_global(tables["selected"]))}
 
         def artifacts(tmp: Path) -> None:
             write_csv(tmp / "clients_last.csv", per_client_rows(tables["last"]))
-            write_csv(tmp / "clients_best.csv", per_client_rows(tables["best"]))
+            write_csv(tmp / "clients_selected.csv", per_client_rows(tables["selected"]))
             learning_curve_png(tmp / "learning_curve.png", history, data.task, f"{exp.name}: {run_name}")
 
         run.finish(final, history, artifacts)
     return final
+
+
+# a run's cumulative cost, summed over clients: local compute (samples x forward-backward
+# passes) and bytes sent up and down
+COSTS = ("compute/grad_samples", "comm/bytes_up", "comm/bytes_down")
+
+
+def add_costs(spent: dict[str, int], state: RunState) -> dict[str, int]:
+    return {key: spent[key] + value for key, value in zip(COSTS, (state.grad_samples, state.bytes_up, state.bytes_down))}
 
 
 @flow(name="pfl-train", flow_run_name="{experiment}-{run_name}-seed{seed}", persist_result=False)
@@ -286,7 +299,7 @@ def train_flow(
     params = validate_params(load_params(params_path))
     exp = params.experiment(experiment).model_copy(update={"seed": seed})
     return train_run(
-        exp, run_name, params.algorithms[run_name], Path(root), prefect_steps(exp.engine), on_config_change,
+        exp, run_name, exp.hyper[run_name], Path(root), prefect_steps(exp.engine), on_config_change,
         params.tracking, str(flow_run.id),
     )
 
@@ -327,7 +340,7 @@ def train_experiment(
                     )
                 else:
                     results[run_name, seed] = train_run(
-                        exp.model_copy(update={"seed": seed}), run_name, params.algorithms[run_name],
+                        exp.model_copy(update={"seed": seed}), run_name, exp.hyper[run_name],
                         Path(root), InlineSteps(exp.engine.max_workers), on_config_change, params.tracking,
                     )
     return results

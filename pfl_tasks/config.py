@@ -177,9 +177,20 @@ class DatasetConfig(Strict):
     source: Source
     partition: Partition = NaturalPartition()
     test_fraction: Fraction = 0.2
+    # of each client's samples, for everything that selects (best round, kNN-Per's lam,
+    # Learn2pFed's supervision, sweeps); the test split is only reported
+    val_fraction: Fraction = 0.15
     # random: per client, stratified by class; chronological: each client's last test_fraction
-    # of samples in source order (only for time-ordered sources such as chicago)
+    # of samples in source order are test, the val_fraction before them validation (only for
+    # time-ordered sources such as chicago)
     split: Literal["random", "chronological"] = "random"
+
+    @model_validator(mode="after")
+    def _train_left(self) -> DatasetConfig:
+        if self.test_fraction + self.val_fraction >= 1:
+            raise ValueError(f"test_fraction + val_fraction = {self.test_fraction + self.val_fraction:g} "
+                             "leaves no training data")
+        return self
 
 
 # ----------------------------------------------------------------------------- nets
@@ -317,8 +328,8 @@ class Learn2pFedConfig(Strict):
     v_lr: PositiveFloat = 0.1  # [choice] by hand, as the paper says; 0.5 made the meta loss oscillate on digits
     init: CellInit = CellInit()
     meta: MetaOptimizer = MetaOptimizer()
-    supervision: Annotated[list[Literal["train", "heldout"]], Field(min_length=1)] = ["train", "heldout"]
-    heldout_fraction: Fraction = 0.25
+    # the meta loss: on the clients' training losses (the paper), or on their validation splits
+    supervision: Annotated[list[Literal["train", "val"]], Field(min_length=1)] = ["train", "val"]
     features_from: str | None = None  # classification: algorithm whose trained body gives features
 
 
@@ -332,26 +343,42 @@ class TableConfig(Strict):
 class ExperimentConfig(Strict):
     dataset: str
     model: NetConfig
-    algorithms: list[str] | None = None  # None: every algorithm under `algorithms`
+    # run names: entries under `algorithms`, or registered algorithms at their defaults;
+    # None: every entry under `algorithms`
+    algorithms: list[Name] | None = None
     seeds: Seeds | None = None  # one run each; None: [seed]
     federation: dict[str, Any] = {}  # overrides of the top-level section
     local: dict[str, Any] = {}
+    algorithm_overrides: dict[Name, dict[str, Any]] = {}  # run name -> its hyper-parameters here
 
     @field_validator("seeds")
     @classmethod
     def _distinct(cls, seeds: list[int] | None) -> list[int] | None:
         return _once(seeds, "seeds")
 
+    @field_validator("algorithms")
+    @classmethod
+    def _listed_once(cls, algorithms: list[str] | None) -> list[str] | None:
+        return _once(algorithms, "algorithms")
+
+    @model_validator(mode="after")
+    def _overrides_of_its_algorithms(self) -> ExperimentConfig:
+        strays = sorted(set(self.algorithm_overrides) - set(self.algorithms or self.algorithm_overrides))
+        if strays:
+            raise ValueError(f"algorithm_overrides: {strays} are not among this experiment's algorithms")
+        return self
+
 
 class ResolvedExperiment(Strict):
     """One experiment with the top-level defaults merged in: what a training run needs."""
 
     name: str
-    seed: Seed  # of this run; the partition always uses the top-level seed
+    seed: Seed  # of this run: its initialization, sampling and partition
     seeds: list[Seed]
     dataset: str
     model: NetConfig
     algorithms: list[str]
+    hyper: dict[str, dict[str, Any]]  # run name -> raw hyper-parameters, overrides applied
     federation: FederationConfig
     local: LocalConfig
     engine: EngineConfig
@@ -408,7 +435,9 @@ class Params(Strict):
     local: LocalConfig = LocalConfig()
     engine: EngineConfig = EngineConfig()
     tracking: TrackingConfig = TrackingConfig()
-    algorithms: dict[Name, dict[str, Any]]
+    # run name -> hyper-parameters (a registered algorithm's name, or any name with `algorithm:`);
+    # an experiment may also list a registered algorithm absent here: it runs at its defaults
+    algorithms: dict[Name, dict[str, Any]] = {}
     learn2pfed: dict[Name, Learn2pFedConfig] = {}  # experiment name -> downstream stage
     tables: dict[Name, TableConfig] = {}
 
@@ -420,13 +449,15 @@ class Params(Strict):
                     f"experiments.{name}.dataset: '{exp.dataset}' is not under 'datasets' "
                     f"(have: {sorted(self.datasets)})"
                 )
-            for alg in exp.algorithms or []:
-                if alg not in self.algorithms:
-                    raise ValueError(
-                        f"experiments.{name}.algorithms: '{alg}' is not under 'algorithms' "
-                        f"(have: {sorted(self.algorithms)})"
-                    )
+            if exp.algorithms is None and not self.algorithms:
+                raise ValueError(f"experiments.{name}.algorithms: none listed, and 'algorithms' is empty")
         return self
+
+    def partition_seeds(self, dataset: str) -> list[int]:
+        """The seeds whose partitions of `dataset` the experiments train on: each seed draws
+        its own partition."""
+        seeds = {s for exp in self.experiments.values() if exp.dataset == dataset for s in exp.seeds or [self.seed]}
+        return sorted(seeds or {self.seed})
 
     def experiment(self, name: str) -> ResolvedExperiment:
         if name not in self.experiments:
@@ -443,13 +474,16 @@ class Params(Strict):
                 base_values = {k: v for k, v in base_values.items() if k not in ("steps", "epochs")}
             merged = _deep_merge(base_values, override)
             sections[key] = _validate(model, merged, prefix=f"experiments.{name}.{key}")
+        algorithms = exp.algorithms or list(self.algorithms)
         return ResolvedExperiment(
             name=name,
             seed=(exp.seeds or [self.seed])[0],
             seeds=exp.seeds or [self.seed],
             dataset=exp.dataset,
             model=exp.model,
-            algorithms=exp.algorithms or list(self.algorithms),
+            algorithms=algorithms,
+            hyper={run: _deep_merge(self.algorithms.get(run, {}), exp.algorithm_overrides.get(run, {}))
+                   for run in algorithms},
             engine=self.engine,
             **sections,
         )

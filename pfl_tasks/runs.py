@@ -208,9 +208,20 @@ class Run:
 
     def finish(self, final: dict[str, float], curve: list[dict], artifacts: Callable[[Path], None]) -> None:
         """DVC metrics and curve, the final metrics and `artifacts(dir)`'s files to MLflow, FINISHED."""
-        write_dvc_outputs(self.paths.metrics, self.paths.curve, final, curve)
+        write_dvc_outputs(self.paths.metrics, self.paths.curve, {"status": "finished", **final}, curve)
         self.tracker.log_metrics(final, step=self.total)
         with tempfile.TemporaryDirectory() as tmp:
             artifacts(Path(tmp))
             self.tracker.log_artifacts(Path(tmp))
         self.tracker.finish()
+
+    def diverged(self, at: int, reason: str, curve: list[dict]) -> dict:
+        """A NaN or infinity in the state at step `at`: a failed run, never a result. The DVC
+        metrics say so (`status: diverged`), MLflow marks the run FAILED with the step and reason
+        (tag `diverged_at`), and the last checkpoint stays, from before the divergence."""
+        record = {"status": "diverged", self.unit: at, "reason": reason}
+        write_dvc_outputs(self.paths.metrics, self.paths.curve, record, curve)
+        self.tracker.set_tag("diverged_at", str(at))
+        self.tracker.finish("FAILED", f"diverged at {self.unit} {at}: {reason}")
+        print(f"{self.label}: diverged at {self.unit} {at}: {reason}; a failed run, not a result", file=sys.stderr)
+        return record

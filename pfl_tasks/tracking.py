@@ -6,6 +6,7 @@ import contextlib
 import csv
 import fcntl
 import json
+import math
 import os
 import subprocess
 from pathlib import Path
@@ -18,44 +19,84 @@ from pfl_tasks.files import atomic_write_text
 PRIMARY = {"classification": "acc", "regression": "mse"}
 
 
-def summarize_eval(per_client: dict[str, dict[str, torch.Tensor]]) -> dict[str, float]:
-    """Flat metrics such as `personalized/acc_mean`, `global/loss_worst10`."""
+def summarize_eval(metrics: dict[str, dict[str, dict[str, torch.Tensor]]]) -> dict[str, float]:
+    """Flat aggregates over clients, such as `val/personalized/acc_mean`, `test/global/loss_worst10`,
+    from per-client metrics split -> model (personalized, global) -> metric -> [N]."""
     flat = {}
-    for kind, metrics in per_client.items():
-        weights = metrics["n"]
-        for metric, values in metrics.items():
-            if metric == "n":
-                continue
-            for stat, value in summarize(values, weights, HIGHER_IS_BETTER[metric]).items():
-                flat[f"{kind}/{metric}_{stat}"] = value
+    for split, models in metrics.items():
+        for kind, values_of in models.items():
+            weights = values_of["n"]
+            for metric, values in values_of.items():
+                if metric == "n":
+                    continue
+                for stat, value in summarize(values, weights, HIGHER_IS_BETTER[metric]).items():
+                    flat[f"{split}/{kind}/{metric}_{stat}"] = value
     return flat
 
 
-def best_index(history: list[dict], task: str) -> int:
-    key = f"personalized/{PRIMARY[task]}_mean"
+def selected_index(history: list[dict], task: str) -> int:
+    """The evaluation selected on validation: the best personalized mean of the primary metric
+    on the clients' validation splits (the earliest of ties); the last one without validation."""
+    key = f"val/personalized/{PRIMARY[task]}_mean"
+    if key not in history[-1]:
+        return len(history) - 1
     values = [h[key] for h in history]
     pick = max if HIGHER_IS_BETTER[PRIMARY[task]] else min
     return values.index(pick(values))
 
 
 def final_metrics(history: list[dict], task: str) -> dict[str, float]:
-    """`final/...` from the last evaluation, `best/...` from the best round by the
-    personalized primary metric (accuracy or MSE), and that round's index."""
-    last, best = history[-1], history[best_index(history, task)]
+    """`final/...` from the last evaluation and `selected/...` from the one selected on
+    validation, with their rounds."""
+    last, selected = history[-1], history[selected_index(history, task)]
     out = {f"final/{k}": v for k, v in last.items() if k != "round"}
-    out.update({f"best/{k}": v for k, v in best.items() if k != "round"})
-    out["best/round"] = best["round"]
+    out.update({f"selected/{k}": v for k, v in selected.items() if k != "round"})
+    out["selected/round"] = selected["round"]
     out["final/round"] = last["round"]
     return out
 
 
-def per_client_rows(per_client: dict[str, dict[str, torch.Tensor]]) -> list[dict]:
+# a run has plateaued when, over the last fifth of its rounds, its best personalized validation
+# metric improved by less than half a point of accuracy, or 1% of the MSE
+PLATEAU_WINDOW = 0.2
+PLATEAU_TOLERANCE = {"acc": 0.005, "mse": 0.01}
+
+
+def plateau(history: list[dict], task: str) -> dict[str, float]:
+    """`plateau/gain`, what the best validation metric gained over the last fifth of the rounds
+    (absolute for accuracy, relative for MSE), and `plateau/reached` (1 or 0, by
+    PLATEAU_TOLERANCE); nothing when no evaluation precedes that window."""
+    metric = PRIMARY[task]
+    key, higher = f"val/personalized/{metric}_mean", HIGHER_IS_BETTER[metric]
+    start = history[-1]["round"] * (1 - PLATEAU_WINDOW)
+    before = [h[key] for h in history if h["round"] <= start]
+    if not before or key not in history[-1]:
+        return {}
+    best = max if higher else min
+    reference, reached = best(before), best(h[key] for h in history)
+    gain = reached - reference if higher else (reference - reached) / reference
+    return {"plateau/gain": gain, "plateau/reached": float(gain < PLATEAU_TOLERANCE[metric])}
+
+
+def personalized_is_global(metrics: dict[str, dict[str, dict[str, torch.Tensor]]]) -> bool:
+    """Whether every client's personalized model scored as the global one on validation (FedAvg,
+    FedDyn, an unsplit CFL): a personalized column that is a global model in disguise."""
+    val = metrics["val"]
+    if "global" not in val:
+        return False
+    return all(torch.allclose(val["personalized"][m], val["global"][m], rtol=1e-6, atol=1e-7)
+               for m in val["personalized"])
+
+
+def per_client_rows(metrics: dict[str, dict[str, dict[str, torch.Tensor]]]) -> list[dict]:
+    """One row per client: its validation and test sizes and metrics (`test_personalized_acc`, ...)."""
     rows = []
-    n_clients = len(per_client["personalized"]["n"])
-    for k in range(n_clients):
-        row = {"client_id": k, "n_test": int(per_client["personalized"]["n"][k])}
-        for kind, metrics in per_client.items():
-            row.update({f"{kind}_{m}": float(v[k]) for m, v in metrics.items() if m != "n"})
+    for k in range(len(next(iter(metrics.values()))["personalized"]["n"])):
+        row = {"client_id": k}
+        for split, models in metrics.items():
+            row[f"n_{split}"] = int(models["personalized"]["n"][k])
+            for kind, values_of in models.items():
+                row.update({f"{split}_{kind}_{m}": float(v[k]) for m, v in values_of.items() if m != "n"})
         rows.append(row)
     return rows
 
@@ -70,9 +111,16 @@ def write_csv(path: Path, rows: list[dict]) -> None:
     atomic_write_text(path, buf.getvalue())
 
 
+def json_text(record: dict) -> str:
+    """Strict JSON: a non-finite number (an infinite test loss) is written as null."""
+    clean = {k: v if not isinstance(v, float) or math.isfinite(v) else None for k, v in record.items()}
+    return json.dumps(clean, indent=1, sort_keys=True, allow_nan=False)
+
+
 def write_dvc_outputs(metrics_path: Path, curve_path: Path, final: dict, history: list[dict]) -> None:
-    atomic_write_text(metrics_path, json.dumps(final, indent=1, sort_keys=True))
-    write_csv(curve_path, history)
+    atomic_write_text(metrics_path, json_text(final))
+    if history:
+        write_csv(curve_path, history)
 
 
 def learning_curve_png(path: Path, history: list[dict], task: str, title: str) -> None:
@@ -84,10 +132,12 @@ def learning_curve_png(path: Path, history: list[dict], task: str, title: str) -
     metric = PRIMARY[task]
     fig, ax = plt.subplots(figsize=(5, 3.2))
     rounds = [h["round"] for h in history]
-    for kind in ("personalized", "global"):
-        key = f"{kind}/{metric}_mean"
-        if key in history[0]:
-            ax.plot(rounds, [h[key] for h in history], marker="o", label=kind)
+    for split in ("val", "test"):
+        for kind in ("personalized", "global"):
+            key = f"{split}/{kind}/{metric}_mean"
+            if key in history[0]:
+                ax.plot(rounds, [h[key] for h in history], marker="o", label=f"{kind}, {split}",
+                        linestyle="-" if split == "test" else "--")
     ax.set(xlabel="round", ylabel=f"{metric} (mean over clients)", title=title)
     ax.legend()
     fig.tight_layout()
@@ -328,6 +378,9 @@ class MlflowRun:
             self._call("mark stale run", self.client.set_tag, run_id, "failure", reason)
             self._call("mark stale run", self.client.set_terminated, run_id, "FAILED")
         return stale
+
+    def set_tag(self, key: str, value: str) -> None:
+        self._call(f"tag {key}", self.client.set_tag, self.run_id, key, value)
 
     def finish(self, status: str = "FINISHED", reason: str | None = None, bound: float | None = None) -> None:
         if reason is not None:

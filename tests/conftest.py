@@ -50,7 +50,7 @@ def split_from(xs: list[torch.Tensor], ys: list[torch.Tensor]) -> ClientSplit:
 def regression_data(xs, ys) -> FederatedData:
     """Clients' least-squares data, train and test identical."""
     split = split_from(xs, ys)
-    return FederatedData("lsq", "regression", 0, (xs[0].shape[1],), split, split, "test")
+    return FederatedData("lsq", "regression", 0, (xs[0].shape[1],), split, split, split, "test")
 
 
 def least_squares_clients(n_clients=4, dim=3, seed=0, sizes=(30, 50, 80, 120)):
@@ -67,13 +67,13 @@ def least_squares_clients(n_clients=4, dim=3, seed=0, sizes=(30, 50, 80, 120)):
 
 @pytest.fixture(scope="session")
 def prepared_digits(tmp_path_factory):
-    """A data/partitions/digits folder for the tiny params, built once per session."""
+    """A data/partitions/digits folder for the tiny params, seeds 0-2, built once per session."""
     from flows.prepare import prepare
 
     root = tmp_path_factory.mktemp("prepared")
     import yaml
 
-    (root / "params.yaml").write_text(yaml.safe_dump(tiny_params()))
+    (root / "params.yaml").write_text(yaml.safe_dump(tiny_params(seeds=[0, 1, 2])))
     prepare("digits", str(root / "params.yaml"), root / "data" / "partitions")
     return root / "data" / "partitions" / "digits"
 

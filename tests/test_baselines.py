@@ -1,3 +1,4 @@
+from dataclasses import replace
 """Baselines FedAvg+FT, FedProx+FT, kNN-Per, CFL and lp-proj, each against an exact property."""
 
 import pytest
@@ -47,7 +48,7 @@ def classification_data(random_labels=False, test_is_train=False, n_clients=4, s
         for split, rows in ((train, slice(0, half)), (test, test_rows)):
             split[0].append(x[rows])
             split[1].append(y[rows])
-    return FederatedData("cls", "classification", 3, (8,), split_from(*train), split_from(*test), "cls")
+    return FederatedData("cls", "classification", 3, (8,), split_from(*train), split_from(*test), split_from(*test), "cls")
 
 
 # ----------------------------------------------------------------------------- FedAvg+FT / FedProx+FT
@@ -59,8 +60,9 @@ def test_fedavg_ft_trains_as_fedavg_and_evaluates_hand_computed_fine_tuning(exec
     _, _, _, avg = lsq_federation("fedavg", rounds=20, executor=executor)
     theta = state.server["global"]["1.weight"][0]
     assert torch.equal(theta, avg.server["global"]["1.weight"][0])
-    tuned, stacked = fed.personalized_models(state, torch.arange(4))
-    metrics = fed.evaluate(state)
+    tuned, stacked, cost = fed.personalized_models(state, torch.arange(4))
+    assert cost == steps * sum(len(y) for y in ys)  # full-batch steps: every sample, forward and backward
+    metrics = fed.evaluate(state).metrics["test"]
     assert stacked
     for k, (x, y) in enumerate(zip(xs, ys)):
         x, y = x.double(), y.double()
@@ -79,7 +81,7 @@ def test_fedprox_ft_trains_as_fedprox_and_long_fine_tuning_reaches_each_clients_
     xs, ys, fed, state = lsq_federation("fedprox_ft", hp, rounds=10)
     _, _, _, prox = lsq_federation("fedprox", {"mu": 0.5}, rounds=10)
     assert torch.equal(state.server["global"]["1.weight"], prox.server["global"]["1.weight"])
-    tuned, _ = fed.personalized_models(state, torch.arange(4))
+    tuned, _, _ = fed.personalized_models(state, torch.arange(4))
     for k, (x, y) in enumerate(zip(xs, ys)):
         assert_rel_close(tuned["1.weight"][k, 0], pooled_least_squares([x], [y]))
 
@@ -90,7 +92,7 @@ def test_evaluation_is_reproducible_and_the_same_in_both_executors(algorithm):
     hp = {"cfl": {"warmup_rounds": 0}}.get(algorithm, {})
     fed, vec = federate(data, algorithm, hp, rounds=2)
     seq_fed, seq = federate(data, algorithm, hp, rounds=2, executor="sequential")
-    first, again, other = fed.evaluate(vec), fed.evaluate(vec), seq_fed.evaluate(seq)
+    first, again, other = (f.evaluate(s).metrics["test"] for f, s in ((fed, vec), (fed, vec), (seq_fed, seq)))
     assert first.keys() == other.keys() and "personalized" in first
     for view, metrics in first.items():
         for name, values in metrics.items():
@@ -101,7 +103,7 @@ def test_evaluation_is_reproducible_and_the_same_in_both_executors(algorithm):
 # ----------------------------------------------------------------------------- kNN-Per
 def test_knnper_with_lam_zero_is_the_global_model():
     fed, state = federate(classification_data(), "knnper", {"lam": 0.0})
-    out = fed.evaluate(state)
+    out = fed.evaluate(state).metrics["test"]
     assert torch.equal(out["personalized"]["acc"], out["global"]["acc"])
     torch.testing.assert_close(out["personalized"]["loss"], out["global"]["loss"])
 
@@ -109,7 +111,7 @@ def test_knnper_with_lam_zero_is_the_global_model():
 def test_knnper_with_one_neighbour_memorizes_its_training_points():
     data = classification_data(random_labels=True, test_is_train=True)
     fed, state = federate(data, "knnper", {"lam": 1.0, "k": 1})
-    out = fed.evaluate(state)
+    out = fed.evaluate(state).metrics["test"]
     assert out["personalized"]["acc"].eq(1).all() and out["personalized"]["loss"].eq(0).all()
     assert out["global"]["acc"].max() < 0.8  # random labels: the global model alone cannot
 
@@ -128,13 +130,27 @@ def test_knnper_prediction_is_the_brute_force_mixture(temperature):
     algorithm = build("knnper", {"k": k, "lam": lam, "temperature": temperature})
     embed = net[:2]
     store = {"keys": embed(stored), "labels": labels, "mask": mask}
-    got = algorithm.forward(net, {"model": model, "store": store}, queries).exp()
+    got = algorithm.forward(net, {"model": model, "store": store, "lam": torch.tensor(lam)}, queries).exp()
     for query, row in zip(queries, got):
         dist = ((embed(stored[:4]) - embed(query)) ** 2).sum(1)
         near = dist.argsort()[:k]
         weight = torch.exp(-dist[near] / t)
         p_knn = torch.zeros(3).index_add_(0, labels[near], weight) / weight.sum()
         torch.testing.assert_close(row, lam * p_knn + (1 - lam) * net(query).softmax(-1))
+
+
+def test_knnper_picks_each_clients_lam_on_its_validation_split_only():
+    """Validation labels the kNN memorizes (val = train, random labels) pull lam to 1 for every
+    client; permuting the test labels changes no lam."""
+    data = classification_data(random_labels=True, test_is_train=True)
+    fed, state = federate(data, "knnper", {"k": 1})
+    lam = fed.personalized_models(state, torch.arange(data.n_clients))[0]["lam"]
+    assert lam.eq(1).all()
+    scrambled = replace(data, test=replace(data.test, y=data.test.y[torch.randperm(len(data.test.y))]),
+                        val=replace(data.val, y=(data.val.y + 1) % 3))
+    fed, state = federate(scrambled, "knnper", {"k": 1})
+    lam = fed.personalized_models(state, torch.arange(data.n_clients))[0]["lam"]
+    assert lam.lt(1).all()  # wrong validation labels: the kNN is distrusted
 
 
 def test_knnper_refuses_regression_data():

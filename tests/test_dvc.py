@@ -59,21 +59,23 @@ def test_dvc_repro_runs_caches_and_reruns_only_what_changed(repo_copy):
     dvc = [sys.executable, "-m", "dvc"]
     out = sh([*dvc, "repro"], root, env)
     assert "Running stage 'prepare@digits'" in out and "Running stage 'train@tiny'" in out
-    assert (root / "data/partitions/digits/manifest.json").exists()
+    assert (root / "data/partitions/digits/seed-0/manifest.json").exists()
     for alg in ("local", "fedavg", "fedprox"):
         assert (root / f"models/tiny/{alg}/seed-0/checkpoint.pt").exists()
         final = json.loads((root / f"metrics/tiny/{alg}/seed-0.json").read_text())
-        assert final["final/round"] == 2 and 0 <= final["final/personalized/acc_mean"] <= 1
+        assert final["status"] == "finished" and final["final/round"] == 2
+        assert 0 <= final["selected/test/personalized/acc_mean"] <= 1 and final["selected/round"] in (1, 2)
         assert (root / f"plots/tiny/{alg}/seed-0.csv").exists()
-    for supervision in ("train", "heldout"):
+    for supervision in ("train", "val"):
         final = json.loads((root / f"metrics/learn2pfed/tiny/learn2pfed-{supervision}/seed-0.json").read_text())
-        assert 0 <= final["final/personalized/acc_mean"] <= 1
-    assert "| learn2pfed-heldout |" in (root / "reports/markdown/tiny.md").read_text()
+        assert 0 <= final["final/test/personalized/acc_mean"] <= 1
+    assert "| learn2pfed-val |" in (root / "reports/markdown/tiny.md").read_text()
     report = (root / "reports/compare/tiny.md").read_text()
-    assert "| fedavg |" in report and "| learn2pfed-heldout |" in report
+    assert "| learn2pfed-val" in report
+    assert "†" in next(line for line in report.splitlines() if "| fedavg" in line)  # its model is the global one
     assert (root / "reports/figures/tiny-curves.png").exists()
     shown = sh([*dvc, "metrics", "show", "--json"], root, env)
-    assert "final/personalized/acc_mean" in shown
+    assert "selected/test/personalized/acc_mean" in shown
 
     out = sh([*dvc, "repro"], root, env)
     assert "Running stage" not in out

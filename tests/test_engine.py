@@ -21,8 +21,7 @@ def digits6() -> FederatedData:
     shape = tuple(manifest["feature_shape"])
     return FederatedData(
         "digits", "classification", 10, shape,
-        _client_split(df[df.split == "train"], 6, shape),
-        _client_split(df[df.split == "test"], 6, shape), "x",
+        *(_client_split(df[df.split == split], 6, shape) for split in ("train", "val", "test")), "x",
     )
 
 
@@ -130,10 +129,10 @@ def test_vectorized_equals_sequential_for_seed_algorithms(digits6, algorithm):
 
 @pytest.mark.parametrize("algorithm,views", [("fedavg", 1), ("ditto", 2), ("local", 1)])
 def test_evaluation_runs_once_per_distinct_view(digits6, algorithm, views):
-    """FedAvg's personalized model is its global one: evaluated once, reported for both."""
+    """FedAvg's personalized model is its global one: evaluated once per split, reported for both."""
     fed, state = run(digits6, algorithm, "vectorized", rounds=1, hp={})
     calls, original = [], fed._eval
     fed._eval = lambda *args: calls.append(1) or original(*args)
-    result = fed.evaluate(state)
-    assert len(calls) == views * len(fed.chunks(torch.arange(6)))
-    assert len(result["personalized"]["acc"]) == 6
+    result = fed.evaluate(state).metrics
+    assert len(calls) == 2 * views * len(fed.chunks(torch.arange(6)))
+    assert len(result["val"]["personalized"]["acc"]) == len(result["test"]["personalized"]["acc"]) == 6

@@ -1,8 +1,9 @@
+import pytest
 import torch
 
 from conftest import split_from
 from pfl_tasks.engine.evaluate import evaluate_clients, summarize
-from pfl_tasks.tracking import best_index, final_metrics
+from pfl_tasks.tracking import final_metrics, plateau, selected_index
 from torch import nn
 
 
@@ -39,14 +40,32 @@ def test_every_client_evaluated_on_its_own_split_with_its_own_model():
     torch.testing.assert_close(same["acc"][0], got["acc"][1])
 
 
-def test_best_round_follows_the_primary_metric():
-    history = [
-        {"round": 5, "personalized/acc_mean": 0.6, "personalized/mse_mean": 3.0},
-        {"round": 10, "personalized/acc_mean": 0.8, "personalized/mse_mean": 1.0},
-        {"round": 15, "personalized/acc_mean": 0.7, "personalized/mse_mean": 2.0},
+def test_the_selected_round_follows_the_validation_metric_only():
+    history = [  # test peaks at round 15, validation at round 10
+        {"round": 5, "val/personalized/acc_mean": 0.6, "val/personalized/mse_mean": 3.0,
+         "test/personalized/acc_mean": 0.5, "test/personalized/mse_mean": 3.0},
+        {"round": 10, "val/personalized/acc_mean": 0.8, "val/personalized/mse_mean": 1.0,
+         "test/personalized/acc_mean": 0.6, "test/personalized/mse_mean": 2.0},
+        {"round": 15, "val/personalized/acc_mean": 0.7, "val/personalized/mse_mean": 2.0,
+         "test/personalized/acc_mean": 0.9, "test/personalized/mse_mean": 0.5},
     ]
-    assert best_index(history, "classification") == 1
-    assert best_index(history, "regression") == 1
+    assert selected_index(history, "classification") == 1
+    assert selected_index(history, "regression") == 1
     final = final_metrics(history, "classification")
-    assert final["best/round"] == 10 and final["final/round"] == 15
-    assert final["final/personalized/acc_mean"] == 0.7 and final["best/personalized/acc_mean"] == 0.8
+    assert final["selected/round"] == 10 and final["final/round"] == 15
+    assert final["final/test/personalized/acc_mean"] == 0.9 and final["selected/test/personalized/acc_mean"] == 0.6
+
+
+def test_plateau_is_the_validation_gain_over_the_last_fifth_of_the_rounds():
+    def history(values, key="val/personalized/acc_mean"):
+        return [{"round": 10 * (i + 1), key: v} for i, v in enumerate(values)]
+
+    climbing = plateau(history([0.5, 0.6, 0.7, 0.8, 0.9]), "classification")  # 40 -> 50: +0.1
+    assert climbing == {"plateau/gain": pytest.approx(0.1), "plateau/reached": 0.0}
+    flat = plateau(history([0.5, 0.7, 0.8, 0.803, 0.801]), "classification")
+    assert flat["plateau/gain"] == pytest.approx(0.0) and flat["plateau/reached"] == 1.0
+    late = plateau(history([0.5, 0.7, 0.8, 0.79, 0.806]), "classification")
+    assert late["plateau/gain"] == pytest.approx(0.006) and late["plateau/reached"] == 0.0
+    mse = plateau(history([4.0, 2.0, 1.0, 1.0, 0.995], "val/personalized/mse_mean"), "regression")
+    assert mse["plateau/gain"] == pytest.approx(0.005) and mse["plateau/reached"] == 1.0
+    assert plateau(history([0.5]), "classification") == {}  # nothing before the last fifth

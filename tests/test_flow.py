@@ -49,15 +49,17 @@ def test_prefect_flow_runs_rounds_as_tasks_and_logs_to_mlflow(project, prefect_h
     assert fedavg.data.tags["dataset"] == "digits" and fedavg.data.tags["model"] == "mlp"
     assert fedavg.data.params["experiment.federation.rounds"] == "2"
     metrics = fedavg.data.metrics
-    for key in ("final/personalized/acc_mean", "final/global/acc_worst10", "best/personalized/acc_weighted",
-                "personalized/acc_std", "comm/bytes_up"):
+    for key in ("final/test/personalized/acc_mean", "final/test/global/acc_worst10",
+                "selected/test/personalized/acc_weighted", "selected/val/personalized/acc_mean",
+                "test/personalized/acc_std", "val/global/loss_mean", "comm/bytes_up", "compute/grad_samples"):
         assert key in metrics
-    assert metrics["final/personalized/acc_mean"] == pytest.approx(results["fedavg", 0]["final/personalized/acc_mean"])
-    history = mlflow.get_metric_history(fedavg.info.run_id, "personalized/acc_mean")
+    key = "final/test/personalized/acc_mean"
+    assert metrics[key] == pytest.approx(results["fedavg", 0][key])
+    history = mlflow.get_metric_history(fedavg.info.run_id, "test/personalized/acc_mean")
     assert sorted(m.step for m in history) == [1, 2]
     artifacts = {a.path for a in mlflow.list_artifacts(fedavg.info.run_id)}
-    assert {"clients_last.csv", "clients_best.csv", "learning_curve.png"} <= artifacts
-    assert "final/global/acc_mean" not in runs["local-seed0"].data.metrics  # no global model
+    assert {"clients_last.csv", "clients_selected.csv", "learning_curve.png"} <= artifacts
+    assert "final/test/global/acc_mean" not in runs["local-seed0"].data.metrics  # no global model
 
 
 def test_progress_bar_shows_on_a_terminal_only_and_never_under_ci(monkeypatch):

@@ -122,7 +122,7 @@ def test_cli_prints_one_line_and_exits_2(project, capsys, monkeypatch):
 def partition(tmp_path, prepared_digits):
     import shutil
 
-    shutil.copytree(prepared_digits, tmp_path / "digits")
+    shutil.copytree(prepared_digits / "seed-0", tmp_path / "digits")
     return tmp_path / "digits"
 
 
@@ -193,8 +193,8 @@ def test_failed_write_leaves_no_temporary_and_outputs_get_the_umask(tmp_path):
 
 
 def test_partition_folder_gets_the_umask(prepared_digits):
-    assert stat.S_IMODE(prepared_digits.stat().st_mode) == 0o777 & ~UMASK
-    assert stat.S_IMODE((prepared_digits / TABLE).stat().st_mode) == 0o666 & ~UMASK
+    assert stat.S_IMODE((prepared_digits / "seed-0").stat().st_mode) == 0o777 & ~UMASK
+    assert stat.S_IMODE((prepared_digits / "seed-0" / TABLE).stat().st_mode) == 0o666 & ~UMASK
 
 
 def test_a_run_sweeps_the_temporaries_a_killed_writer_left(project):
@@ -314,7 +314,7 @@ def test_sqlite_store_locked_past_the_bound_fails_the_run_checkpointed_and_a_rer
     assert train(project, tracking_options=options) == uninterrupted
     client, runs = _runs_at(store, "tiny", "fedavg")
     resumed = [r for r in runs if r.data.tags.get("pid") and r.info.status == "FINISHED"]
-    history = client.get_metric_history(runs[0].info.run_id, "personalized/acc_mean")
+    history = client.get_metric_history(runs[0].info.run_id, "test/personalized/acc_mean")
     assert len(runs) == 2 and len(resumed) == 2  # the uninterrupted run, and the locked one resumed
     assert sorted(m.step for m in history) == [2, 4, 6]  # nothing lost, nothing twice
 
@@ -400,7 +400,7 @@ def test_a_crash_marks_the_run_failed_with_the_reason_and_a_rerun_resumes_exactl
     assert [h["round"] for h in load_checkpoint(paths.checkpoint, {})["history"]] == evaluated
     resumed = client.get_run(crashed[0].info.run_id)
     assert resumed.info.status == "FINISHED" and "failure" not in resumed.data.tags
-    for key in ("personalized/acc_mean", "rounds/skipped"):
+    for key in ("test/personalized/acc_mean", "rounds/skipped"):
         points = client.get_metric_history(resumed.info.run_id, key)
         assert sorted(m.step for m in points) == evaluated  # each evaluation logged once
 
@@ -439,7 +439,7 @@ def federation_of(digits, algorithm, hp=None, **federation):
 
 @pytest.fixture(scope="module")
 def digits(prepared_digits):
-    return load_partition(prepared_digits)
+    return load_partition(prepared_digits / "seed-0")
 
 
 def leaves(tree):
@@ -488,13 +488,13 @@ def test_every_algorithm_survives_half_its_clients_dropping(digits, algorithm):
     state = fed.initial_state()
     for r in range(3):
         state = run_round(InlineSteps(2), fed, state, r)
-    accuracy = fed.evaluate(state)["personalized"]["acc"]
+    accuracy = fed.evaluate(state).metrics["test"]["personalized"]["acc"]
     assert torch.isfinite(accuracy).all() and state.round == 3
 
 
 def test_a_round_nobody_reports_is_skipped_and_counted(project):
     final = train(project, dropout=0.9)
     history = json.loads(RunPaths.of(project, "tiny", "fedavg", 0).metrics.read_text())
-    skipped = sum(len(federation_of(load_partition(project / "data/partitions/digits"), "fedavg", dropout=0.9)
+    skipped = sum(len(federation_of(load_partition(project / "data/partitions/digits/seed-0"), "fedavg", dropout=0.9)
                       .sample_clients(r)) == 0 for r in range(6))
     assert skipped > 0 and final["final/rounds/skipped"] == history["final/rounds/skipped"] == skipped

@@ -163,11 +163,11 @@ def test_meta_gradients_reach_every_parameter_and_meta_steps_reduce_the_loss(kin
     assert losses[-1] < 0.9 * losses[0]
 
 
-def scarce_polynomial(n_points, n_clients, noise, seed, supervision="heldout"):
+def scarce_polynomial(n_points, n_clients, noise, seed, supervision="val"):
     """Meta-train on a data-scarce polynomial setting 1; returns the test MSE of Learn2pFed,
     of Local-only and FedAvg at their optima (each client's own least squares, and pooled least
     squares), and the learned Lambda [M, 4]."""
-    from pfl_tasks.algorithms.learn2pfed_meta import evaluate, heldout_rows, make_optimizer, padded_problem
+    from pfl_tasks.algorithms.learn2pfed_meta import evaluate, make_optimizer, padded_problem
     from pfl_tasks.config import DatasetConfig
     from pfl_tasks.data.store import _client_split, build_partition
 
@@ -175,17 +175,14 @@ def scarce_polynomial(n_points, n_clients, noise, seed, supervision="heldout"):
         {"source": {"name": "polynomial", "setting": 1, "n_clients": n_clients, "n_points": n_points, "noise": noise}}
     )
     df, _ = build_partition("poly_scarce", cfg, seed)
-    train_split = _client_split(df[df["split"] == "train"], n_clients, (4,))
-    test_split = _client_split(df[df["split"] == "test"], n_clients, (4,))
-    train, test = padded_problem(train_split, train_split.x, 0), padded_problem(test_split, test_split.x, 0)
-    held = heldout_rows(train_split, 0.25, seed)
-    fit = padded_problem(train_split, train_split.x, 0, ~held) if supervision == "heldout" else train
-    supervise = padded_problem(train_split, train_split.x, 0, held) if supervision == "heldout" else train
+    train, val, test = (padded_problem(split, split.x, 0) for split in (
+        _client_split(df[df["split"] == name], n_clients, (4,)) for name in ("train", "val", "test")))
+    supervise = val if supervision == "val" else train
     l2p = Learn2pFedConfig()
     cells = Cells(train, l2p.cells, l2p.tied, l2p.init.model_dump(), torch.Generator().manual_seed(seed))
     opt, w0 = make_optimizer(cells, l2p.meta), torch.zeros(4, dtype=torch.float64)
     for epoch in range(l2p.meta.epochs):
-        meta_epoch(cells, opt, l2p, epoch, fit, supervise, w0)
+        meta_epoch(cells, opt, l2p, epoch, train, supervise, w0)
     mse = evaluate(cells, train, test, w0, l2p)["personalized"]["mse"].mean().item()
     xm = train.x * train.mask[..., None]
     gram, xty = xm.transpose(1, 2) @ xm, torch.einsum("mnd,mn->md", xm, train.y)
@@ -196,16 +193,17 @@ def scarce_polynomial(n_points, n_clients, noise, seed, supervision="heldout"):
 
 
 @pytest.mark.slow
-def test_heldout_meta_training_learns_to_share_the_shared_coefficients():
-    """Setting 1 shares a0-a2 and shifts a3 per client. With few, noisy points on 3 clients,
-    meta-training on held-out rows ties a0-a2 to w more than a3, on every generated dataset."""
+def test_validation_meta_training_learns_to_share_the_shared_coefficients():
+    """Setting 1 shares a0-a2 and shifts a3 per client. With few, noisy points on 3 clients
+    (40 each, 6 of them validation), meta-training on the validation rows ties a0-a2 to w more
+    than a3, on every generated dataset."""
     for seed in range(4):
-        _, _, lam = scarce_polynomial(60, 3, 1.0, seed)
+        _, _, lam = scarce_polynomial(120, 3, 1.0, seed)
         assert lam[:, :3].mean() > lam[:, 3].mean(), seed
 
 
 @pytest.mark.slow
-def test_heldout_learn2pfed_beats_local_and_fedavg_optima_on_scarce_polynomial():
+def test_validation_supervised_learn2pfed_beats_local_and_fedavg_optima_on_scarce_polynomial():
     """The `poly1_scarce` dataset of params.yaml (10 clients, ~15 noisy points each), averaged
     over three generated datasets: lower test MSE than Local-only's and FedAvg's optima."""
     runs = [scarce_polynomial(200, 10, 1.0, seed) for seed in range(3)]

@@ -13,9 +13,9 @@ pytestmark = pytest.mark.slow
 def write_params(project, epochs):
     data = tiny_params(algorithms=["local", "fedavg"])
     data["tracking"] = {"mlflow_uri": mlflow_uri()}
-    data["learn2pfed"] = {"tiny": {"features_from": "fedavg", "cells": 3, "supervision": ["heldout"],
+    data["learn2pfed"] = {"tiny": {"features_from": "fedavg", "cells": 3, "supervision": ["val"],
                                    "meta": {"epochs": epochs, "checkpoint_every": 4}}}
-    data["tables"] = {"tiny": {"experiments": ["tiny"], "methods": ["learn2pfed-heldout", "fedavg", "local"]}}
+    data["tables"] = {"tiny": {"experiments": ["tiny"], "methods": ["learn2pfed-val", "fedavg", "local"]}}
     (project / "params.yaml").write_text(yaml.safe_dump(data))
     return str(project / "params.yaml")
 
@@ -33,26 +33,26 @@ def test_learn2pfed_head_on_upstream_body_resumes_and_lands_in_the_table(project
         run_experiment("tiny", path, str(project))
     train_experiment("tiny", path, str(project))
 
-    first = run_experiment("tiny", path, str(project))[("heldout", 0)]
-    ckpt = project / "models/learn2pfed/tiny/learn2pfed-heldout/seed-0/checkpoint.pt"
+    first = run_experiment("tiny", path, str(project))[("val", 0)]
+    ckpt = project / "models/learn2pfed/tiny/learn2pfed-val/seed-0/checkpoint.pt"
     assert torch.load(ckpt, weights_only=True)["round"] == 8
     assert first["comm/bytes_up_per_cell"] == 6 * 10 * 17 * 8  # clients x classes x (16 + bias) float64s
-    assert first["meta/loss_last"] != first["meta/fit_loss_last"]  # held-out and fit rows differ
+    assert first["meta/loss_last"] != first["meta/fit_loss_last"]  # validation and training rows differ
 
     path = write_params(project, epochs=12)  # a longer meta-training continues from epoch 8
-    resumed = learn2pfed_flow("tiny", "heldout", 0, path, str(project))
+    resumed = learn2pfed_flow("tiny", "val", 0, path, str(project))
     straight = project / "straight"
     straight.mkdir()
     for sub in ("data", "models/tiny"):
         (straight / sub).parent.mkdir(parents=True, exist_ok=True)
         (straight / sub).symlink_to(project / sub)
-    fresh = learn2pfed_flow("tiny", "heldout", 0, path, str(straight))
+    fresh = learn2pfed_flow("tiny", "val", 0, path, str(straight))
     assert resumed == fresh  # resume is exact: same losses, same metrics
 
     write_tables(path, str(project))
     table = (project / "reports/markdown/tiny.md").read_text()
     rows = [line.split(" | ")[0].strip("| ") for line in table.splitlines() if line.startswith("| ")]
-    assert rows[1:] == ["learn2pfed-heldout", "fedavg", "local"]
+    assert rows[1:] == ["learn2pfed-val", "fedavg", "local"]
     cells = json.loads((project / "reports/tables/tiny.json").read_text())
     assert cells["fedavg"]["tiny"]["seeds"] == 1
-    assert cells["learn2pfed-heldout"]["tiny"]["mean"] == pytest.approx(resumed["final/personalized/acc_mean"])
+    assert cells["learn2pfed-val"]["tiny"]["mean"] == pytest.approx(resumed["final/test/personalized/acc_mean"])

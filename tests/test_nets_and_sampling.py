@@ -73,7 +73,7 @@ def federation(**federation):
 
     split = ClientSplit(torch.zeros(10, 1, 8, 8), torch.zeros(10, dtype=torch.long),
                         torch.arange(10), torch.ones(10, dtype=torch.long))
-    data = FederatedData("d", "classification", 10, (1, 8, 8), split, split, "h")
+    data = FederatedData("d", "classification", 10, (1, 8, 8), split, split, split, "h")
     return Federation(params.experiment("tiny"), build("fedavg", {}), data)
 
 

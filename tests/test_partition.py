@@ -63,3 +63,25 @@ def test_split_gives_each_client_train_and_test_stratified():
         mine = client == k
         assert is_test[mine].any() and (~is_test[mine]).any()
     assert abs(is_test.mean() - 0.25) < 0.05
+
+
+def test_each_client_gets_train_validation_and_test_at_the_configured_fractions():
+    from pfl_tasks.config import DatasetConfig
+    from pfl_tasks.data import build_partition
+
+    cfg = DatasetConfig.model_validate({"source": {"name": "digits"}, "val_fraction": 0.2,
+                                        "partition": {"kind": "dirichlet", "n_clients": 8, "alpha": 1.0}})
+    df, manifest = build_partition("digits", cfg, seed=0)
+    share = df["split"].value_counts(normalize=True)
+    assert abs(share["test"] - 0.2) < 0.02 and abs(share["val"] - 0.2) < 0.02
+    assert all(c["train"] and c["val"] and c["test"] for c in manifest["clients"])
+    other, _ = build_partition("digits", cfg, seed=1)  # each seed draws its own partition
+    by_sample = [d.sort_values("sample_id")["client_id"].to_numpy() for d in (df, other)]
+    assert (by_sample[0] != by_sample[1]).mean() > 0.5
+
+
+def test_validation_and_test_fractions_must_leave_training_data():
+    from pfl_tasks.config import ConfigError, DatasetConfig, _validate
+
+    with pytest.raises(ConfigError, match="test_fraction \\+ val_fraction = 1 leaves no training data"):
+        _validate(DatasetConfig, {"source": {"name": "digits"}, "test_fraction": 0.5, "val_fraction": 0.5})

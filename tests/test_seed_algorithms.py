@@ -61,7 +61,7 @@ def shared_representation_clients(n_clients=6, n=240, seed=0):
             split[1].append(y[rows])
     from pfl_tasks.data import FederatedData
 
-    return FederatedData("rep", "classification", 3, (8,), split_from(*train), split_from(*test), "rep")
+    return FederatedData("rep", "classification", 3, (8,), split_from(*train), split_from(*test), split_from(*test), "rep")
 
 
 def run_on(data, algorithm, hp=None, rounds=25):
@@ -90,9 +90,9 @@ def test_head_stays_on_client_and_beats_fedavg_when_heads_differ(algorithm):
     payload = fed.algorithm.payload(state.server)
     result = fed.local_update(0, payload, torch.arange(6), state.clients)  # all 6 clients: rows = stacks
     assert not head & set(result.messages["body"]) and set(result.clients["head"]) == head
-    acc = fed.evaluate(state)["personalized"]["acc"].mean().item()
+    acc = fed.evaluate(state).metrics["test"]["personalized"]["acc"].mean().item()
     avg_fed, avg_state = run_on(data, "fedavg")
-    avg_acc = avg_fed.evaluate(avg_state)["personalized"]["acc"].mean().item()
+    avg_acc = avg_fed.evaluate(avg_state).metrics["test"]["personalized"]["acc"].mean().item()
     assert acc > avg_acc + 0.15, (acc, avg_acc)
 
 

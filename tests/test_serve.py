@@ -9,7 +9,8 @@ import pytest
 import yaml
 from conftest import background_server, free_port, mlflow_uri, tiny_params
 
-from pfl_tasks.config import ConfigError, SweepConfig
+from pfl_tasks.algorithms import validate_params
+from pfl_tasks.config import ConfigError, SweepConfig, parse_params
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -42,8 +43,9 @@ def test_sweep_parameters_are_validated_like_params_yaml(tmp_path):
         SweepConfig(name="s", experiment="tiny", overrides={"seed.x": 1}, params_path=path).params()
     with pytest.raises(ConfigError, match=r"sweep.experiment: 'nope'"):
         SweepConfig(name="s", experiment="nope", params_path=path).params()
-    with pytest.raises(ConfigError, match=r"experiments.tiny-s.algorithms: 'ditto'"):
-        SweepConfig(name="s", experiment="tiny", algorithms=["ditto"], params_path=path).params()
+    with pytest.raises(ConfigError, match=r"experiments.tiny-s.algorithms\[0\]: unknown algorithm 'dito'"):
+        validate_params(parse_params(SweepConfig(name="s", experiment="tiny", algorithms=["dito"],
+                                                 params_path=path).params()))
     with pytest.raises(ValueError, match="name"):
         SweepConfig(name="../escape", experiment="tiny")
 

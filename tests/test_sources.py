@@ -23,7 +23,7 @@ def source_cfg(**source) -> DatasetConfig:
 @pytest.fixture(scope="module")
 def chicago_table():
     cfg = DatasetConfig.model_validate(
-        {"source": {"name": "chicago"}, "test_fraction": 0.1, "split": "chronological"}
+        {"source": {"name": "chicago"}, "test_fraction": 0.1, "val_fraction": 0.1, "split": "chronological"}
     )
     return build_partition("chicago", cfg, seed=0)
 
@@ -32,7 +32,7 @@ def test_chicago_has_a_client_per_station_and_passes_the_schema(chicago_table):
     df, manifest = chicago_table
     assert manifest["n_clients"] == 20 and manifest["feature_shape"] == [7]
     assert manifest["task"] == "regression"
-    assert {c["train"] + c["test"] for c in manifest["clients"]} == {5698 - 7}
+    assert {c["train"] + c["val"] + c["test"] for c in manifest["clients"]} == {5698 - 7}
     validate_partition(df, "regression", 0, 20)
 
 
@@ -56,12 +56,13 @@ def test_chicago_table_keeps_lags_after_standardizing(chicago_table):
     assert np.array_equal(x[1:, :-1], x[:-1, 1:]) and np.array_equal(x[1:, -1], y[:-1])
 
 
-def test_chronological_split_puts_each_clients_last_tenth_in_test(chicago_table):
+def test_chronological_split_puts_each_clients_last_tenth_in_test_and_the_tenth_before_in_val(chicago_table):
     df, _ = chicago_table
     for _, rows in df.groupby("client_id"):
         assert rows["sample_id"].is_monotonic_increasing
         n_test = round(0.1 * len(rows))
-        assert rows["split"].tolist() == ["train"] * (len(rows) - n_test) + ["test"] * n_test
+        n_val = round(0.1 / 0.9 * (len(rows) - n_test))
+        assert rows["split"].tolist() == ["train"] * (len(rows) - n_test - n_val) + ["val"] * n_val + ["test"] * n_test
 
 
 def test_chronological_split_follows_source_order_of_interleaved_clients():
@@ -78,7 +79,7 @@ def test_chicago_is_standardized_by_train_statistics(chicago_table):
     assert len(manifest["group_scale"]) == 20
 
 
-def test_standardization_ignores_test_values():
+def test_standardization_ignores_validation_and_test_values():
     groups = np.repeat([0, 1], 10)
     data = RawDataset(
         RNG.normal(5, 2, (20, 3)).astype(np.float32), RNG.normal(5, 2, 20).astype(np.float32),
@@ -91,7 +92,7 @@ def test_standardization_ignores_test_values():
         labels=np.where(is_test, -50, data.labels).astype(np.float32),
     )
     (scaled, scale), (scaled_other, scale_other) = (
-        standardize_by_train(d, is_test) for d in (data, other)
+        standardize_by_train(d, ~is_test) for d in (data, other)
     )
     assert scale == scale_other
     assert np.array_equal(scaled.features[~is_test], scaled_other.features[~is_test])

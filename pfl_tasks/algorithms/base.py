@@ -7,8 +7,10 @@ Per round the engine calls, in order:
   aggregate(server, messages, weights)  -> new server state (the algorithm's own rule)
 and for evaluation of every client:
   personalized(server, state)           -> the model each client uses
-  personalize(trainer, server, state)   -> what is evaluated (default: `personalized`; methods
-                                           that adapt at evaluation time use the chunk's trainer)
+  personalize(trainer, server, state, val_loss)
+                                        -> what is evaluated (default: `personalized`; methods
+                                           that adapt at evaluation time use the chunk's trainer,
+                                           and select on `val_loss`)
   forward(net, params, x)               -> the evaluation forward pass of that personalized view
   global_model(server, clients)         -> the shared model, or None if there is none
 Server state is a tree of tensors; client state is a tree of stacks with one row per client.
@@ -20,6 +22,7 @@ and `aggregate` sees only the messages of the clients that reported.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import ClassVar
 
 import torch
@@ -30,6 +33,7 @@ from torch.func import functional_call
 from pfl_tasks.engine.executor import LocalTrainer
 from pfl_tasks.engine.state import Params, Tree, replicate
 
+ValLoss = Callable[[Tree, bool, Callable], torch.Tensor]
 EVAL_STREAM = 0xE7A1  # minibatch stream of evaluation-time local work; no training fit uses it
 
 
@@ -96,9 +100,11 @@ class Algorithm(ABC):
         """(params, stacked): a stack [K, ...] of per-client models, or one shared model."""
         return server["global"], False
 
-    def personalize(self, trainer: LocalTrainer, server: Tree, state: Tree) -> tuple[Tree, bool]:
+    def personalize(self, trainer: LocalTrainer, server: Tree, state: Tree, val_loss: ValLoss) -> tuple[Tree, bool]:
         """What a chunk is evaluated with, as `personalized`; `trainer` holds the chunk's training
-        data, for local work at evaluation time (its fits use `stream=EVAL_STREAM`)."""
+        data, for local work at evaluation time (its fits use `stream=EVAL_STREAM`), and
+        `val_loss(params, stacked, forward)` scores a candidate on each client's validation
+        split [K], for what is selected at evaluation time (never the test split)."""
         return self.personalized(server, state)
 
     def forward(self, net: nn.Module, params: Tree, x: torch.Tensor) -> torch.Tensor:

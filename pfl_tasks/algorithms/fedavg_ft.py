@@ -34,7 +34,7 @@ class FineTuneHyper(HyperParams):
 class FineTune:
     """Mixin: a client is evaluated with the global model fine-tuned on its training data."""
 
-    def personalize(self, trainer, server, state):
+    def personalize(self, trainer, server, state, val_loss):
         hp, local = self.hp, trainer.local
         budget = local.model_copy(update={
             "steps": hp.ft_steps,

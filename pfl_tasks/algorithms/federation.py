@@ -18,7 +18,7 @@ from pfl_tasks.config import ConfigError, ResolvedExperiment
 from pfl_tasks.data import FederatedData
 from pfl_tasks.engine.evaluate import evaluate_clients
 from pfl_tasks.engine.executor import make_trainer
-from pfl_tasks.engine.state import Tree, concat, gather, scatter_, to_device, tree_bytes, tree_map
+from pfl_tasks.engine.state import Tree, concat, gather, leaves, scatter_, to_device, tree_bytes, tree_map
 from pfl_tasks.nets import build_net, init_params
 
 
@@ -33,6 +33,7 @@ class RunState:
     bytes_up: int = 0  # sent in the last round, all clients together
     bytes_down: int = 0
     reported: int = 0  # clients whose messages the last round aggregated (0: skipped)
+    grad_samples: int = 0  # the last round's local compute: samples x forward-backward passes
 
 
 @dataclass
@@ -41,6 +42,7 @@ class ChunkResult:
     messages: Tree  # on the device
     clients: Tree  # on the CPU
     bytes_down: int
+    grad_samples: int
 
 
 def resolve_device(name: str) -> torch.device:
@@ -68,7 +70,7 @@ class Federation:
         self.device = resolve_device(exp.engine.device)
         self.task = data.task
         self.train = _split_to(data.train, self.device)
-        self.test = _split_to(data.test, self.device)
+        self.splits = {"val": _split_to(data.val, self.device), "test": _split_to(data.test, self.device)}
         self.n_clients = data.n_clients
         self.net = build_net(exp.model, data.feature_shape, data.n_outputs)
         # functional_call swaps a module's tensors while it runs, so concurrent chunks each
@@ -112,7 +114,8 @@ class Federation:
         shared, rows = self.algorithm.download(payload, ids.to(self.device))
         messages, new_state = self.algorithm.client_update(trainer, {**shared, **rows}, state)
         new_state = tree_map(lambda t: t.cpu(), new_state)
-        return ChunkResult(ids, messages, new_state, tree_bytes(shared) * len(ids) + tree_bytes(rows))
+        return ChunkResult(ids, messages, new_state, tree_bytes(shared) * len(ids) + tree_bytes(rows),
+                           trainer.grad_samples)
 
     def aggregate(self, state: RunState, results: list[ChunkResult]) -> RunState:
         ids = torch.cat([r.ids for r in results])
@@ -123,35 +126,62 @@ class Federation:
         if clients:
             clients = scatter_(clients, ids, concat([r.clients for r in results]))
         up = tree_bytes(messages)
-        return RunState(state.round + 1, server, clients, up, sum(r.bytes_down for r in results), len(ids))
+        return RunState(state.round + 1, server, clients, up, sum(r.bytes_down for r in results), len(ids),
+                        sum(r.grad_samples for r in results))
 
-    def evaluate(self, state: RunState) -> dict[str, dict[str, torch.Tensor]]:
-        """Per-client test metrics of every client, for the personalized and global models."""
-        out: dict[str, list[dict]] = {"personalized": [], "global": []}
+    def evaluate(self, state: RunState) -> Evaluation:
+        """Per-client validation and test metrics of every client, for the personalized and
+        global models, and the compute personalizing them took."""
+        out = {split: {"personalized": [], "global": []} for split in self.splits}
         view = self.algorithm.global_model(state.server, state.clients)  # clients stay on the CPU
         shared = None if view is None else to_device(view, self.device)
+        grad_samples = 0
         for ids in self.chunks(torch.arange(self.n_clients)):
-            params, stacked = self.personalized_models(state, ids)
-            personal = self._eval(ids, params, stacked, self.algorithm.forward)
-            out["personalized"].append(personal)
-            if shared is not None:  # no personalization (e.g. FedAvg): the same numbers
-                out["global"].append(personal if params is view else self._eval(ids, shared, False))
-        return {kind: concat(parts) for kind, parts in out.items() if parts}
+            params, stacked, cost = self.personalized_models(state, ids)
+            grad_samples += cost
+            for split, parts in out.items():
+                personal = self._eval(split, ids, params, stacked, self.algorithm.forward)
+                parts["personalized"].append(personal)
+                if shared is not None:  # no personalization (e.g. FedAvg): the same numbers
+                    parts["global"].append(personal if params is view else self._eval(split, ids, shared, False))
+        metrics = {split: {kind: concat(p) for kind, p in parts.items() if p} for split, parts in out.items()}
+        return Evaluation(metrics, grad_samples)
 
-    def personalized_models(self, state: RunState, ids: torch.Tensor) -> tuple[Tree, bool]:
-        """What clients `ids` are evaluated with. Local work at evaluation time (fine-tuning,
-        datastores) sees the chunk's training data through a trainer of round `state.round`."""
+    def personalized_models(self, state: RunState, ids: torch.Tensor) -> tuple[Tree, bool, int]:
+        """What clients `ids` are evaluated with, and the compute that took. Local work at
+        evaluation time (fine-tuning, datastores) sees the chunk's training data through a
+        trainer of round `state.round`; what it selects (kNN-Per's lam) it selects on their
+        validation loss."""
         trainer = make_trainer(
             self.exp.engine.executor, self.fresh_net(), self.task, self.train, ids, self.exp.local,
             self.exp.seed, state.round,
         )
         chunk = to_device(gather(state.clients, ids), self.device)
-        return self.algorithm.personalize(trainer, state.server, chunk)
 
-    def _eval(self, ids, params, stacked, forward=None) -> dict[str, torch.Tensor]:
+        def val_loss(params: Tree, stacked: bool, forward) -> torch.Tensor:
+            return self._eval("val", ids, params, stacked, forward)["loss"]
+
+        params, stacked = self.algorithm.personalize(trainer, state.server, chunk, val_loss)
+        return params, stacked, trainer.grad_samples
+
+    def nonfinite(self, state: RunState) -> str | None:
+        """The first server or client tensor holding a NaN or an infinity, if any."""
+        for where, tree in (("server", state.server), ("clients", state.clients)):
+            for name, tensor in leaves(tree):
+                if not torch.isfinite(tensor).all():
+                    return f"{where}.{name}"
+        return None
+
+    def _eval(self, split, ids, params, stacked, forward=None) -> dict[str, torch.Tensor]:
         return evaluate_clients(
-            self.fresh_net(), self.task, self.test, ids.to(self.device), params, stacked, forward
+            self.fresh_net(), self.task, self.splits[split], ids.to(self.device), params, stacked, forward
         )
+
+
+@dataclass
+class Evaluation:
+    metrics: dict[str, dict[str, dict[str, torch.Tensor]]]  # split -> personalized/global -> metric -> [N]
+    grad_samples: int  # compute spent personalizing every client (fine-tuning), 0 for most methods
 
 
 def _split_to(split, device):

@@ -10,7 +10,9 @@ the head, `nets.head_keys`), and predicts
 over the k nearest neighbours of phi(x). k = 10 (the paper). [choice] d_j is the squared
 Euclidean distance and T defaults to the embedding dimension, as in the authors' code (faiss
 IndexFlatL2 returns squared distances; the kernel is exp(-d / (dim * scale)), scale = 1).
-[choice] lam = 0.5: the paper picks lam per client on held-out data from a grid.
+lam is picked per client, as in the paper, from the grid 0, 0.05, ..., 1 at every evaluation:
+[choice] the value with the lowest loss on the client's validation split (the authors' code
+scores accuracy; the loss breaks the ties a small split leaves). `lam` set fixes it instead.
 `forward` returns log p, so the cross-entropy and accuracy metrics stay right; datastores are
 padded to the chunk's largest client and masked. Classification only. The global model
 evaluated is the FedAvg model itself.
@@ -33,7 +35,7 @@ from pfl_tasks.nets import embed, split_net
 
 class KNNPerHyper(FedAvgHyper):
     k: Annotated[int, Field(gt=0)] = 10
-    lam: Annotated[float, Field(ge=0, le=1)] = 0.5
+    lam: Annotated[float, Field(ge=0, le=1)] | None = None  # None: per client, on validation
     temperature: Annotated[float, Field(gt=0)] | None = None  # None: the embedding dimension
 
 
@@ -63,8 +65,8 @@ class KNNPer(FedAvg):
         require_classification(trainer.task)
         return super().client_update(trainer, payload, state)
 
-    def personalize(self, trainer, server, state):
-        """The global model and, per client, its datastore of training embeddings."""
+    def personalize(self, trainer, server, state, val_loss):
+        """The global model and, per client, its datastore of training embeddings and its lam."""
         require_classification(trainer.task)
         model, counts = server["global"], trainer.counts
         body, body_params, _, _ = split_net(trainer.net, model)
@@ -74,14 +76,18 @@ class KNNPer(FedAvg):
         x = trainer.train.x[rows.flatten()]
         keys = embed(body, body_params, x)
         store = {"keys": keys.view(*rows.shape, -1), "labels": trainer.train.y[rows], "mask": mask}
-        return {"model": broadcast(model, len(counts)), "store": store}, True
+        views = {"model": broadcast(model, len(counts)), "store": store}
+        if self.hp.lam is not None:
+            return {**views, "lam": keys.new_full((len(counts),), self.hp.lam)}, True
+        grid = torch.linspace(0, 1, 21, device=keys.device)
+        losses = torch.stack([val_loss({**views, "lam": lam.expand(len(counts))}, True, self.forward) for lam in grid])
+        return {**views, "lam": grid[losses.argmin(0).to(grid.device)]}, True
 
     def forward(self, net, params, x):
         body, body_params, head, head_params = split_net(net, params["model"])
         embedding = functional_call(body, body_params, (x,))
         logits = functional_call(head, head_params, (embedding,))
-        store, hp = params["store"], self.hp
+        store, hp, lam = params["store"], self.hp, params["lam"]
         p_knn = knn_probs(embedding, store["keys"], store["labels"], store["mask"], hp.k,
                           hp.temperature or embedding.shape[-1], logits.shape[-1])
-        lam = logits.new_tensor(hp.lam)
         return torch.logaddexp(lam.log() + p_knn.log(), (1 - lam).log() + logits.log_softmax(-1))

@@ -1,13 +1,11 @@
 """Learn2pFed's meta-training: client data as padded stacks, Theta trained through the cells,
 and evaluation of every client's personalized model v_i(L) and of the global w(L).
 
-Supervision is `train` (the paper: the clients' training losses at the last cell) or `heldout`
-([choice], see the issue): the cells fit the rest of each client's training split and the meta
-loss is taken on a held-out part of it. On training loss alone Lambda = 0 is optimal whenever a
+Supervision is `train` (the paper: the clients' training losses at the last cell) or `val`
+([choice]): the cells fit each client's training split and the meta loss is taken on its
+validation split. On training loss alone Lambda = 0 is optimal whenever a
 client's model class holds its own truth. Either way, the final models are the cells run with
-the learned Theta on each client's whole training split ([choice]: as retraining on train+val
-after tuning; since F_i sums over rows, the data term then weighs n_train / n_fit times more
-against rho and Lambda than during meta-training), and they are scored on the clients' test
+the learned Theta on each client's training split, and they are scored on the clients' test
 splits.
 """
 
@@ -15,42 +13,25 @@ from __future__ import annotations
 
 import copy
 
-import numpy as np
 import torch
 
 from pfl_tasks.algorithms.learn2pfed import Cells, Problem, unroll
 from pfl_tasks.config import Learn2pFedConfig, MetaOptimizer
 from pfl_tasks.data import ClientSplit
 
-def padded_problem(split: ClientSplit, features: torch.Tensor, n_classes: int,
-                   keep: torch.Tensor | None = None, name: str = "training") -> Problem:
+def padded_problem(split: ClientSplit, features: torch.Tensor, n_classes: int, name: str = "training") -> Problem:
     """Stacks [M, n_max, ...] of each client's rows of `features` [total, d] (the split's rows,
-    as features), only rows where `keep`, if given."""
+    as features)."""
     feats = features.double()
     counts, offsets = split.counts, split.offsets
     pos = torch.arange(int(counts.max()))[None, :]
     valid = pos < counts[:, None]
     rows = torch.where(valid, offsets[:, None] + pos, offsets[:, None])
-    if keep is not None:
-        valid = valid & keep[rows]
     if (valid.sum(1) == 0).any():
         empty = torch.nonzero(valid.sum(1) == 0).flatten().tolist()
         raise ValueError(f"clients {empty} have no rows in the {name} split")
     y = split.y[rows] if n_classes else split.y[rows].double()
     return Problem(feats[rows], y, valid.double(), n_classes)
-
-
-def heldout_rows(split: ClientSplit, fraction: float, seed: int) -> torch.Tensor:
-    """Bool [total]: a seeded `fraction` of each client's training rows, at least one row held
-    out and one kept."""
-    rng = np.random.default_rng([seed, 0x12F])
-    held = np.zeros(len(split.y), dtype=bool)
-    for k, (start, n) in enumerate(zip(split.offsets.tolist(), split.counts.tolist())):
-        if n < 2:
-            raise ValueError(f"client {k} has {n} training row(s); heldout supervision needs 2")
-        size = min(n - 1, max(1, round(fraction * n)))
-        held[start + rng.choice(n, size, replace=False)] = True
-    return torch.from_numpy(held)
 
 
 def make_optimizer(cells: Cells, cfg: MetaOptimizer) -> torch.optim.Optimizer:

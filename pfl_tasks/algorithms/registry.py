@@ -1,5 +1,5 @@
-"""Algorithms by name. A `params.yaml` entry `algorithms.<run name>` selects a registered
-algorithm by its run name, or by an explicit `algorithm:` key (to run variants side by side)."""
+"""Algorithms by name. A run name selects a registered algorithm by itself, or through the
+`algorithm:` key of its entry `algorithms.<run name>` (to run variants side by side)."""
 
 from __future__ import annotations
 
@@ -17,20 +17,21 @@ def register(cls):
     return cls
 
 
-def build(run_name: str, raw: dict[str, Any]):
-    """Instantiate the algorithm of `algorithms.<run_name>` with validated hyper-parameters."""
-    raw = dict(raw or {})
+def build(run_name: str, raw: dict[str, Any], where: str | None = None):
+    """Instantiate the algorithm of run `run_name` with validated hyper-parameters; errors name
+    `where` (default: `algorithms.<run_name>`)."""
+    raw, where = dict(raw or {}), where or f"algorithms.{run_name}"
     kind = raw.pop("algorithm", run_name)
     if kind not in ALGORITHMS:
         raise ConfigError(
-            f"algorithms.{run_name}: unknown algorithm '{kind}'; registered: {sorted(ALGORITHMS)}"
+            f"{where}: unknown algorithm '{kind}'; registered: {sorted(ALGORITHMS)} (or an entry under 'algorithms')"
         )
     cls = ALGORITHMS[kind]
     try:
         return cls(cls.Hyper.model_validate(raw))
     except ValidationError as err:
         lines = [
-            f"  algorithms.{run_name}.{'.'.join(map(str, e['loc']))}: {e['msg']}"
+            f"  {where}.{'.'.join(map(str, e['loc']))}: {e['msg']}"
             + (f" (allowed: {sorted(cls.Hyper.model_fields)})" if e["type"] == "extra_forbidden" else "")
             for e in err.errors()
         ]
@@ -38,6 +39,13 @@ def build(run_name: str, raw: dict[str, Any]):
 
 
 def validate_params(params: Params) -> Params:
+    """Every algorithm entry, and every experiment's runs with its overrides."""
     for run_name, raw in params.algorithms.items():
         build(run_name, raw)
+    for name, exp in params.experiments.items():
+        resolved = params.experiment(name)
+        for run_name in resolved.algorithms:
+            where = (f"experiments.{name}.algorithm_overrides.{run_name}" if run_name in exp.algorithm_overrides
+                     else f"experiments.{name}.algorithms[{resolved.algorithms.index(run_name)}]")
+            build(run_name, resolved.hyper[run_name], where)
     return params

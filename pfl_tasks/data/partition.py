@@ -1,5 +1,5 @@
-"""Partitioners assign every sample to exactly one client, then split each client train/test;
-standardized sources are then scaled by their train part only."""
+"""Partitioners assign every sample to exactly one client, then split each client into train,
+validation and test; standardized sources are then scaled by their train part only."""
 
 from __future__ import annotations
 
@@ -104,19 +104,34 @@ def shards(
     return client
 
 
+SPLITS = ("train", "val", "test")
+
+
 def split_clients(
     data: RawDataset, client: np.ndarray, cfg: DatasetConfig, rng: np.random.Generator
 ) -> np.ndarray:
-    """Boolean mask of test samples, by `cfg.split`."""
-    if cfg.split == "random":
-        stratify = data.task == "classification"
-        return split_train_test(client, data.labels, cfg.test_fraction, stratify, rng)
-    if not data.ordered:
+    """Each sample's split, "train", "val" or "test", by `cfg.split`: per client, a
+    `test_fraction` of its samples is test and a `val_fraction` validation."""
+    if cfg.split == "chronological" and not data.ordered:
         raise PartitionError(
             f"split 'chronological' needs a source whose samples are in time order (chicago), "
             f"not '{cfg.source.name}'"
         )
-    return chronological_split(client, cfg.test_fraction)
+    split = np.full(len(client), "train", dtype=object)
+    is_test = _hold_out(data, client, np.arange(len(client)), cfg.test_fraction, cfg, rng)
+    split[is_test] = "test"
+    rest = np.flatnonzero(~is_test)  # validation comes from the rest: chronologically, just before test
+    is_val = _hold_out(data, client[rest], rest, cfg.val_fraction / (1 - cfg.test_fraction), cfg, rng)
+    split[rest[is_val]] = "val"
+    return split
+
+
+def _hold_out(data: RawDataset, client: np.ndarray, rows: np.ndarray, fraction: float, cfg: DatasetConfig,
+              rng: np.random.Generator) -> np.ndarray:
+    """Boolean mask over `rows` (samples in source order, of clients `client`) of a held-out part."""
+    if cfg.split == "chronological":
+        return chronological_split(client, fraction)
+    return split_train_test(client, data.labels[rows], fraction, data.task == "classification", rng)
 
 
 def chronological_split(client: np.ndarray, test_fraction: float) -> np.ndarray:
@@ -130,14 +145,15 @@ def chronological_split(client: np.ndarray, test_fraction: float) -> np.ndarray:
     return is_test
 
 
-def standardize_by_train(data: RawDataset, is_test: np.ndarray) -> tuple[RawDataset, list[dict]]:
-    """Each group's features and targets scaled by the mean/std of its train targets, so no test
-    value shapes the scale; also each group's {mean, std}, to turn MSE back into data units."""
+def standardize_by_train(data: RawDataset, is_train: np.ndarray) -> tuple[RawDataset, list[dict]]:
+    """Each group's features and targets scaled by the mean/std of its train targets, so no
+    validation or test value shapes the scale; also each group's {mean, std}, to turn MSE back
+    into data units."""
     features, labels = data.features.astype(np.float64), data.labels.astype(np.float64)
     scale = []
     for g in np.unique(data.groups):
         mine = data.groups == g
-        train = labels[mine & ~is_test]
+        train = labels[mine & is_train]
         mean, std = train.mean(), train.std()
         if not std > 0:
             raise PartitionError(f"cannot standardize group {g}: its train targets are constant")

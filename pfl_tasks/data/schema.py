@@ -24,7 +24,7 @@ def partition_schema(task: str, n_classes: int, n_clients: int) -> pa.DataFrameS
         {
             "sample_id": pa.Column("int64", pa.Check.ge(0), unique=True),
             "client_id": pa.Column("int64", pa.Check.in_range(0, n_clients - 1)),
-            "split": pa.Column(str, pa.Check.isin(["train", "test"])),
+            "split": pa.Column(str, pa.Check.isin(["train", "val", "test"])),
             "label": label,
             FEATURE_PATTERN: pa.Column("float32", pa.Check(np.isfinite, name="finite"), regex=True),
         },
@@ -51,7 +51,7 @@ def validate_partition(df: pd.DataFrame, task: str, n_classes: int, n_clients: i
     empty = sorted(set(range(n_clients)) - set(present.index))
     if empty:
         raise DataValidationError(f"clients without any sample: {empty}")
-    for split in ("train", "test"):
+    for split in ("train", "val", "test"):
         lacking = sorted(int(k) for k, s in present.items() if split not in s)
         if lacking:
             raise DataValidationError(f"clients without a {split} sample: {lacking}")

@@ -1,4 +1,5 @@
-"""Build, write and read a partitioned dataset: `partition.parquet` + `manifest.json`."""
+"""Build, write and read a partitioned dataset: `partition.parquet` + `manifest.json`, one
+folder per seed, `data/partitions/<dataset>/seed-<seed>/`."""
 
 from __future__ import annotations
 
@@ -15,12 +16,17 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pfl_tasks.config import DatasetConfig, config_hash
 from pfl_tasks.files import atomic_directory
-from pfl_tasks.data.partition import assign_clients, split_clients, standardize_by_train
+from pfl_tasks.data.partition import SPLITS, assign_clients, split_clients, standardize_by_train
 from pfl_tasks.data.schema import DataValidationError, validate_partition
 from pfl_tasks.data.sources import RawDataset, load_source
 
 TABLE = "partition.parquet"
 MANIFEST = "manifest.json"
+PARTITIONS = Path("data/partitions")
+
+
+def partition_dir(root: Path, dataset: str, seed: int) -> Path:
+    return Path(root) / PARTITIONS / dataset / f"seed-{seed}"
 
 
 def build_partition(name: str, cfg: DatasetConfig, seed: int) -> tuple[pd.DataFrame, dict]:
@@ -28,16 +34,16 @@ def build_partition(name: str, cfg: DatasetConfig, seed: int) -> tuple[pd.DataFr
     rng = np.random.default_rng([seed, _stable_int(name)])
     data = load_source(cfg.source, rng)
     client = assign_clients(data, cfg.partition, rng)
-    is_test = split_clients(data, client, cfg, rng)
+    split = split_clients(data, client, cfg, rng)
     scale = None
     if data.standardize:
-        data, scale = standardize_by_train(data, is_test)
+        data, scale = standardize_by_train(data, split == "train")
     n = len(data.labels)
     flat = data.features.reshape(n, -1)
     df = pd.DataFrame(flat, columns=[f"f{i}" for i in range(flat.shape[1])])
     df.insert(0, "sample_id", np.arange(n, dtype=np.int64))
     df.insert(1, "client_id", client.astype(np.int64))
-    df.insert(2, "split", np.where(is_test, "test", "train").astype(object))
+    df.insert(2, "split", split)
     df.insert(3, "label", data.labels)
     df = df.sort_values(["client_id", "sample_id"], kind="stable").reset_index(drop=True)
     n_clients = int(client.max()) + 1
@@ -83,7 +89,8 @@ class FederatedData:
     n_classes: int
     feature_shape: tuple[int, ...]
     train: ClientSplit
-    test: ClientSplit
+    val: ClientSplit  # everything that selects (rounds, hyper-parameters) reads this
+    test: ClientSplit  # only reported
     manifest_hash: str
     partition: str = ""  # e.g. "dirichlet(alpha=0.3, min_samples=20, n_clients=20)"
 
@@ -104,6 +111,7 @@ class ClientEntry(BaseModel):
 
     client_id: NonNegative
     train: NonNegative
+    val: NonNegative
     test: NonNegative
     labels: list[NonNegative] | None = None  # classification: rows per class
 
@@ -162,15 +170,15 @@ def read_manifest(directory: Path) -> Manifest:
         raise DataValidationError(f"{path}: n_classes: {manifest.n_classes} does not fit task '{manifest.task}'")
     for c in entries:
         if classification and (c.labels is None or len(c.labels) != manifest.n_classes
-                               or sum(c.labels) != c.train + c.test):
-            raise DataValidationError(f"{path}: clients[{c.client_id}].labels: expected {manifest.n_classes} "
-                                      f"class counts summing to train + test = {c.train + c.test}")
+                               or sum(c.labels) != c.train + c.val + c.test):
+            raise DataValidationError(f"{path}: clients[{c.client_id}].labels: expected {manifest.n_classes} class "
+                                      f"counts summing to train + val + test = {c.train + c.val + c.test}")
     return manifest
 
 
 def load_partition(directory: Path) -> FederatedData:
     """Read and verify a partition: manifest and table hashes, schema, feature shape, and every
-    client's train/test and label counts against the manifest. Rows are grouped by client here,
+    client's train/val/test and label counts against the manifest. Rows are grouped by client here,
     whatever order the table was saved in."""
     directory = Path(directory)
     manifest = read_manifest(directory)
@@ -191,8 +199,7 @@ def load_partition(directory: Path) -> FederatedData:
         task=manifest.task,
         n_classes=manifest.n_classes,
         feature_shape=shape,
-        train=_client_split(df[df["split"] == "train"], manifest.n_clients, shape),
-        test=_client_split(df[df["split"] == "test"], manifest.n_clients, shape),
+        **{split: _client_split(df[df["split"] == split], manifest.n_clients, shape) for split in SPLITS},
         manifest_hash=manifest.table_sha256[:16],
         partition=_describe(manifest.config["partition"]),
     )
@@ -200,7 +207,7 @@ def load_partition(directory: Path) -> FederatedData:
 
 def _check_counts(df: pd.DataFrame, manifest: Manifest, where: Path) -> None:
     client = df["client_id"].to_numpy()
-    for split in ("train", "test"):
+    for split in SPLITS:
         actual = np.bincount(client[(df["split"] == split).to_numpy()], minlength=manifest.n_clients)
         expected = np.array([getattr(c, split) for c in manifest.clients])
         wrong = np.flatnonzero(actual != expected)
@@ -239,8 +246,7 @@ def _client_summary(df: pd.DataFrame, data: RawDataset) -> list[dict]:
     for k, rows in df.groupby("client_id"):
         entry = {
             "client_id": int(k),
-            "train": int((rows["split"] == "train").sum()),
-            "test": int((rows["split"] == "test").sum()),
+            **{split: int((rows["split"] == split).sum()) for split in SPLITS},
         }
         if data.task == "classification":
             entry["labels"] = np.bincount(rows["label"], minlength=data.n_classes).tolist()

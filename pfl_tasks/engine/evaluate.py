@@ -45,7 +45,7 @@ def evaluate_clients(
         x, y = test.x[rows], test.y[rows]
         out = batched(params, x)
         losses = per_sample_loss(task, out.flatten(0, 1), y.flatten()).view(k, width)
-        loss_sum += (losses * valid).sum(1)
+        loss_sum += torch.where(valid, losses, 0).sum(1)  # padding's infinite loss would be NaN times 0
         if task == "classification":
             correct += ((out.argmax(-1) == y) & valid).sum(1)
     n = counts.to(loss_sum.dtype)

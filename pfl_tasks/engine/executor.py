@@ -120,6 +120,9 @@ class LocalTrainer(ABC):
         self.client_ids, self.seed, self.round_idx = client_ids, seed, round_idx
         self.offsets = train.offsets[client_ids]
         self.counts = train.counts[client_ids]
+        # compute spent: samples x forward-backward passes, summed over the chunk's clients
+        self.grad_samples = 0
+        self._passes = 0  # of the vectorized step being traced
 
     def schedule(self, stream: int, local: LocalConfig) -> Schedule:
         return batch_schedule(self.counts, self.client_ids, local, self.seed, self.round_idx, stream)
@@ -147,6 +150,11 @@ class LocalTrainer(ABC):
     def net_loss(self, params: Params, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return per_sample_loss(self.task, functional_call(self.net, params, (x,)), y)
 
+    def _count_step(self, samples: int) -> None:
+        """One vectorized step ran `self._passes` data losses over `samples` real batch rows."""
+        self.grad_samples += self._passes * samples
+        self._passes = 0
+
 
 class VectorizedTrainer(LocalTrainer):
     def fit(self, params, objective=data_objective, aux=None, stream=0, trainable=None, local=None):
@@ -159,6 +167,7 @@ class VectorizedTrainer(LocalTrainer):
 
         def client_objective(train_p, frozen_p, x, y, mask, aux_k):
             def data_loss(p):
+                self._passes += 1
                 losses = self.net_loss(p, x, y)
                 return (losses * mask).sum() / mask.sum()
 
@@ -166,9 +175,11 @@ class VectorizedTrainer(LocalTrainer):
 
         grads_of = vmap(grad(client_objective))
         opt_state = optim.init_state(local.optimizer, train)
+        samples = sched.mask.sum((0, 2)).tolist()
         for s, active in enumerate(self._active(sched)):
             x, y, mask = self._batch(sched, s)
             g = grads_of(train, frozen, x, y, mask.to(x.dtype), aux)
+            self._count_step(samples[s])
             train, opt_state = optim.step(local.optimizer, train, g, opt_state, s, active)
         return {**frozen, **train}
 
@@ -180,15 +191,18 @@ class VectorizedTrainer(LocalTrainer):
             weight = mask / mask.sum()
 
             def data_loss(p):
+                self._passes += 1
                 return (self.net_loss(p, x, y) * weight).sum()
 
             return step(c, data_loss, a, Batch(x, y, weight, extra))
 
         stepped = vmap(client_step)
+        samples = sched.mask.sum((0, 2)).tolist()
         for s, active in enumerate(self._active(sched)):
             x, y, mask = self._batch(sched, s)
             extra = tree_map(lambda t: t[:, s], per_step)
             new = stepped(carry, x, y, mask.to(x.dtype), aux or {}, extra)
+            self._count_step(samples[s])
             carry = tree_zip(lambda n, o: where_active(active, n, o), new, carry)
         return carry
 
@@ -220,7 +234,7 @@ class SequentialTrainer(LocalTrainer):
             for s in range(int(sched.active[i].sum())):
                 x, y = self._batch(sched, i, s)
                 opt.zero_grad()
-                loss = objective(lambda q: self.net_loss(q, x, y).mean(), p, aux_i)
+                loss = objective(self._data_loss(x, y), p, aux_i)
                 loss.backward()
                 opt.step()
             for k in params:
@@ -238,9 +252,16 @@ class SequentialTrainer(LocalTrainer):
                 x, y = self._batch(sched, i, s)
                 extra = tree_map(lambda t: t[i, s, : len(y)], per_step)
                 weight = torch.full((len(y),), 1 / len(y), device=x.device)
-                c = step(c, lambda p: self.net_loss(p, x, y).mean(), a, Batch(x, y, weight, extra))
+                c = step(c, self._data_loss(x, y), a, Batch(x, y, weight, extra))
             rows.append(c)
         return tree_zip(lambda *ts: torch.stack(ts), *rows)
+
+    def _data_loss(self, x, y) -> DataLoss:
+        def data_loss(p):
+            self.grad_samples += len(y)
+            return self.net_loss(p, x, y).mean()
+
+        return data_loss
 
     def _batch(self, sched: Schedule, i: int, s: int):
         """Client i's real (unpadded) minibatch of step s."""

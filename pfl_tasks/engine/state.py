@@ -79,6 +79,15 @@ def where_active(active: torch.Tensor | None, new: torch.Tensor, old: torch.Tens
     return torch.where(per_row(active, new) if active.dim() else active, new, old)
 
 
+def leaves(tree: Tree, prefix: str = ""):
+    """(dotted name, tensor) of every leaf."""
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            yield from leaves(v, f"{prefix}{k}.")
+        else:
+            yield f"{prefix}{k}", v
+
+
 def tree_bytes(tree: Tree) -> int:
     return sum(
         tree_bytes(v) if isinstance(v, dict) else v.numel() * v.element_size() for v in tree.values()

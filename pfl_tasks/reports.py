@@ -1,0 +1,357 @@
+"""Comparison reports (tracking layer): which runs count, and what every report says of them.
+
+The per-experiment comparison (`flows.compare`) and the paper tables (`flows.tables`) both read
+MLflow through `collect` and `summarize`, so they count the same runs: for each configured
+(method, seed), its newest run that finished or diverged, and nothing else.
+
+The protocol (README, "How methods are compared"): a method's score is the test metric of its
+personalized model at the round selected on validation, per client; the cell is the mean over
+seeds of the client mean, with a 95% CI from a two-level bootstrap (seeds, then clients). The
+best method is compared with each other one by a paired test over clients (`stats.TEST_NAME`);
+methods it cannot tell apart at ALPHA are marked. A diverged run is listed, never ranked.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import tempfile
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from pfl_tasks.engine.evaluate import HIGHER_IS_BETTER
+from pfl_tasks.files import atomic_write, atomic_write_text
+from pfl_tasks.stats import TEST_NAME, holm, mean_ci, paired_pvalue
+
+ALPHA = 0.05
+CLIENTS_TABLE = "clients_selected.csv"  # each client's metrics at the round selected on validation
+
+
+class ComparisonError(ValueError):
+    pass
+
+
+def configured_runs(params, experiment: str) -> set[tuple[str, int]]:
+    """(method, seed) of every run the params file configures for `experiment`, Learn2pFed's
+    included: runs under names or seeds since removed do not count."""
+    exp = params.experiment(experiment)
+    names = list(exp.algorithms)
+    if experiment in params.learn2pfed:
+        names += [f"learn2pfed-{s}" for s in params.learn2pfed[experiment].supervision]
+    return {(name, seed) for name in names for seed in exp.seeds}
+
+
+def collect(client, experiment: str, only: set[tuple[str, int]] | None = None) -> dict[str, dict[int, object]]:
+    """method -> seed -> its newest run that FINISHED or diverged (FAILED with `diverged_at`);
+    of the (method, seed) pairs in `only` when given."""
+    found = client.get_experiment_by_name(experiment)
+    if found is None:
+        raise ComparisonError(f"MLflow at {client.tracking_uri} has no experiment '{experiment}'")
+    runs, token = [], None
+    while True:
+        page = client.search_runs(
+            [found.experiment_id], "",
+            order_by=["attributes.start_time DESC"], max_results=1000, page_token=token,
+        )
+        runs += page
+        token = page.token
+        if not token:
+            break
+    newest: dict[str, dict[int, object]] = {}
+    for run in runs:
+        tags = run.data.tags
+        ended = run.info.status == "FINISHED" or "diverged_at" in tags
+        if ended and "algorithm" in tags and "seed" in tags and (only is None or (tags["algorithm"], int(tags["seed"])) in only):
+            newest.setdefault(tags["algorithm"], {}).setdefault(int(tags["seed"]), run)
+    if not newest:
+        raise ComparisonError(f"MLflow experiment '{experiment}' has no finished runs tagged with an algorithm")
+    return newest
+
+
+def primary_metric(newest: dict[str, dict[int, object]]) -> str:
+    keys = {k for by_seed in newest.values() for run in by_seed.values() for k in run.data.metrics}
+    return "acc" if "selected/test/personalized/acc_mean" in keys else "mse"
+
+
+Interval = tuple[float, float, float]  # point, low, high
+
+
+@dataclass(frozen=True)
+class MethodResult:
+    method: str
+    metric: str  # acc or mse
+    seeds: list[int]  # of its finished runs
+    run_ids: list[str]
+    diverged: list[tuple[int, int]]  # (seed, round) of its diverged runs: then it is not ranked
+    personalized: Interval | None  # selected round, test split, mean over clients and seeds
+    val: float | None  # selected round, validation split: what a sweep selects on
+    global_: Interval | None  # None: no global model
+    worst10: float | None
+    selected_rounds: list[int]
+    plateaued: list[bool]  # per seed with a plateau verdict
+    grad_samples: float | None  # training compute of the whole run, mean over seeds
+    eval_grad_samples: float | None  # personalization compute of one evaluation
+    comm_bytes: float | None  # up + down, the whole run
+    global_only: bool  # the personalized model is the global one
+    clients: dict[int, np.ndarray]  # seed -> per-client test metric at the selected round
+    p_vs_best: float | None = None  # Holm-adjusted; None for the best and for the unranked
+
+    @property
+    def ranked(self) -> bool:
+        return not self.diverged and self.personalized is not None
+
+    def indistinguishable(self) -> bool:
+        return self.p_vs_best is not None and self.p_vs_best >= ALPHA
+
+
+def clients_table(client, run_id: str) -> pd.DataFrame | None:
+    if not any(a.path == CLIENTS_TABLE for a in client.list_artifacts(run_id)):
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        return pd.read_csv(client.download_artifacts(run_id, CLIENTS_TABLE, tmp)).set_index("client_id")
+
+
+def _mean(runs: list, key: str) -> float | None:
+    values = [run.data.metrics[key] for run in runs if key in run.data.metrics]
+    return statistics.fmean(values) if values else None
+
+
+def method_result(client, method: str, by_seed: dict[int, object], metric: str) -> MethodResult:
+    finished = {s: r for s, r in sorted(by_seed.items()) if "diverged_at" not in r.data.tags}
+    diverged = [(s, int(r.data.tags["diverged_at"])) for s, r in sorted(by_seed.items()) if s not in finished]
+    runs = list(finished.values())
+    tables = {s: clients_table(client, r.info.run_id) for s, r in finished.items()}
+    personal = {s: t[f"test_personalized_{metric}"].to_numpy() for s, t in tables.items() if t is not None}
+    shared = {s: t[f"test_global_{metric}"].to_numpy() for s, t in tables.items()
+              if t is not None and f"test_global_{metric}" in t}
+    up, down = _mean(runs, "final/comm/bytes_up"), _mean(runs, "final/comm/bytes_down")
+    return MethodResult(
+        method, metric, list(finished), [r.info.run_id for r in runs], diverged,
+        mean_ci(list(personal.values())) if personal and len(personal) == len(runs) else None,
+        _mean(runs, f"selected/val/personalized/{metric}_mean"),
+        mean_ci(list(shared.values())) if shared and len(shared) == len(runs) else None,
+        _mean(runs, f"selected/test/personalized/{metric}_worst10"),
+        [int(r.data.metrics["selected/round"]) for r in runs if "selected/round" in r.data.metrics],
+        [r.data.metrics["plateau/reached"] == 1 for r in runs if "plateau/reached" in r.data.metrics],
+        _mean(runs, "final/compute/grad_samples"), _mean(runs, "final/compute/eval_grad_samples"),
+        None if up is None or down is None else up + down,
+        bool(runs) and all(r.data.metrics.get("selected/personalized_is_global") == 1 for r in runs),
+        personal,
+    )
+
+
+def summarize(client, newest: dict[str, dict[int, object]], metric: str) -> list[MethodResult]:
+    """Every method, the ranked ones best first (by the point estimate), then the unranked;
+    each ranked method but the best carries its Holm-adjusted p-value against the best."""
+    results = [method_result(client, m, by_seed, metric) for m, by_seed in newest.items()]
+    sign = -1 if HIGHER_IS_BETTER[metric] else 1
+    ranked = sorted((r for r in results if r.ranked), key=lambda r: (sign * r.personalized[0], r.method))
+    unranked = sorted((r for r in results if not r.ranked), key=lambda r: r.method)
+    if len(ranked) > 1:
+        best, raw = ranked[0], {}
+        for r in ranked[1:]:
+            common = sorted(set(best.clients) & set(r.clients))
+            if common:
+                raw[r.method] = paired_pvalue([best.clients[s] for s in common], [r.clients[s] for s in common])
+        adjusted = holm(raw)
+        ranked = [ranked[0]] + [replace(r, p_vs_best=adjusted.get(r.method)) for r in ranked[1:]]
+    return ranked + unranked
+
+
+def winner_on_validation(results: list[MethodResult]) -> str | None:
+    """The ranked method with the best validation metric at its selected rounds: a sweep's
+    choice, made without the test split."""
+    scored = [r for r in results if r.ranked and r.val is not None]
+    if not scored:
+        return None
+    pick = max if HIGHER_IS_BETTER[scored[0].metric] else min
+    return pick(scored, key=lambda r: r.val).method
+
+
+# ----------------------------------------------------------------------------- formatting
+def interval(value: Interval | None) -> str:
+    if value is None:
+        return "–"
+    point, low, high = value
+    return f"{point:.4f} [{low:.4f}, {high:.4f}]"
+
+
+def marks(result: MethodResult) -> str:
+    """≈: not significantly different from the best; †: its personalized model is the global one."""
+    return ("≈" if result.indistinguishable() else "") + ("†" if result.global_only else "")
+
+
+def diverged_note(result: MethodResult) -> str:
+    return "diverged at " + ", ".join(f"round {at} (seed {seed})" for seed, at in result.diverged)
+
+
+def _count(value: float | None, unit: float, suffix: str) -> str:
+    return "–" if value is None else f"{value / unit:.3g}{suffix}"
+
+
+def _plateau(result: MethodResult) -> str:
+    if not result.plateaued:
+        return "–"
+    return f"{sum(result.plateaued)}/{len(result.plateaued)}"
+
+
+def protocol_lines() -> list[str]:
+    return [
+        "Test accuracy (higher is better) or MSE (lower is better) of each client's personalized model at the "
+        "round selected on the clients' validation "
+        "splits; mean over clients and seeds with a 95% CI (two-level bootstrap: seeds, then clients). "
+        f"≈: not significantly different from the best ({TEST_NAME}, α = {ALPHA}). "
+        "†: the \"personalized\" model is the global model. Diverged runs are listed, not ranked.",
+    ]
+
+
+def markdown(experiment: str, metric: str, results: list[MethodResult], figures: dict[str, str]) -> str:
+    from pfl_tasks.tracking import PLATEAU_TOLERANCE
+
+    tolerance = f"{PLATEAU_TOLERANCE['acc']} accuracy" if metric == "acc" else f"{PLATEAU_TOLERANCE['mse']:.0%} of the MSE"
+    lines = [
+        f"# {experiment}: comparison",
+        "",
+        *protocol_lines(),
+        f"Plateaued: seeds whose best validation metric gained less than {tolerance} over the last fifth of "
+        "the rounds. Compute: samples × forward-backward passes over all clients, the whole run (+ one "
+        "evaluation's personalization). Communication: bytes up and down, the whole run. Runs: the newest "
+        f"finished run of each configured method and seed in MLflow experiment `{experiment}`.",
+        "",
+        "| rank | method | seeds | personalized (95% CI) | global (95% CI) | worst 10% of clients "
+        "| selected rounds | plateaued | compute | + per evaluation | communication |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for i, r in enumerate((r for r in results if r.ranked), 1):
+        lines.append(
+            f"| {i} | {r.method}{marks(r)} | {len(r.seeds)} | {interval(r.personalized)} | {interval(r.global_)} "
+            f"| {'–' if r.worst10 is None else f'{r.worst10:.4f}'} | {', '.join(map(str, r.selected_rounds)) or '–'} "
+            f"| {_plateau(r)} | {_count(r.grad_samples, 1e6, 'M')} | {_count(r.eval_grad_samples, 1e6, 'M')} "
+            f"| {_count(r.comm_bytes, 2**20, ' MiB')} |"
+        )
+    unranked = [r for r in results if not r.ranked]
+    if unranked:
+        lines += ["", "Not ranked:", ""]
+        lines += [f"- {r.method}: {diverged_note(r) if r.diverged else 'no per-client results'}" for r in unranked]
+    lines.append("")
+    lines += [f"![{caption}]({path})\n" for caption, path in figures.items()]
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- figures
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def mean_curve(client, run_ids: list[str], key: str) -> dict[int, float]:
+    """step -> mean over seeds of a per-round metric."""
+    by_step: dict[int, list[float]] = {}
+    for run_id in run_ids:
+        for point in client.get_metric_history(run_id, key):
+            by_step.setdefault(point.step, []).append(point.value)
+    return {step: statistics.fmean(values) for step, values in sorted(by_step.items())}
+
+
+def _legend(fig, plt) -> None:
+    fig.tight_layout(rect=(0, 0, 0.85, 1))
+    fig.legend(loc="center left", bbox_to_anchor=(0.85, 0.5), fontsize=8)
+
+
+def curves_png(path: Path, client, results: list[MethodResult], metric: str, title: str) -> bool:
+    """Personalized and global test metric per round, one line per ranked method."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
+    colors = plt.get_cmap("tab20")
+    drawn = False
+    for i, r in enumerate(x for x in results if x.ranked):
+        for ax, kind in zip(axes, ("personalized", "global")):
+            curve = mean_curve(client, r.run_ids, f"test/{kind}/{metric}_mean")
+            if curve:
+                ax.plot(list(curve), list(curve.values()), marker=".", color=colors(i % 20),
+                        label=r.method if kind == "personalized" else None)
+                drawn = True
+    for ax, kind in zip(axes, ("personalized", "global")):
+        ax.set(xlabel="round", title=f"{kind} model", ylabel=f"test {metric}, mean over clients")
+        ax.grid(alpha=0.3)
+        ax.xaxis.get_major_locator().set_params(integer=True)
+    fig.suptitle(title)
+    _legend(fig, plt)
+    if drawn:
+        _save(fig, path)
+    plt.close(fig)
+    return drawn
+
+
+def compute_png(path: Path, client, results: list[MethodResult], metric: str, title: str) -> bool:
+    """Personalized validation and test metric against cumulative training compute."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
+    colors = plt.get_cmap("tab20")
+    drawn = False
+    for i, r in enumerate(x for x in results if x.ranked):
+        spent = mean_curve(client, r.run_ids, "compute/grad_samples")
+        for ax, split in zip(axes, ("val", "test")):
+            curve = mean_curve(client, r.run_ids, f"{split}/personalized/{metric}_mean")
+            steps = [s for s in curve if s in spent]
+            if steps:
+                ax.plot([spent[s] for s in steps], [curve[s] for s in steps], marker=".", color=colors(i % 20),
+                        label=r.method if split == "val" else None)
+                drawn = True
+    for ax, split in zip(axes, ("validation", "test")):
+        ax.set(xlabel="training compute (samples × forward-backward passes)", xscale="log", title=split,
+               ylabel=f"personalized {metric}, mean over clients")
+        ax.grid(alpha=0.3)
+    fig.suptitle(title)
+    _legend(fig, plt)
+    if drawn:
+        _save(fig, path)
+    plt.close(fig)
+    return drawn
+
+
+def clients_png(path: Path, client, results: list[MethodResult], metric: str, title: str) -> bool:
+    """Distribution over clients (all seeds) of the selected round's personalized test metric."""
+    per_method = {r.method: np.concatenate(list(r.clients.values())) for r in results if r.ranked and r.clients}
+    if not per_method:
+        return False
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(max(5.0, 0.6 * len(per_method) + 2), 4))
+    ax.boxplot(list(per_method.values()), showmeans=True)
+    ax.set_xticks(range(1, len(per_method) + 1), list(per_method), rotation=45, ha="right")
+    ax.set(ylabel=f"personalized test {metric} per client", title=f"{title} (clients of every seed)")
+    ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    _save(fig, path)
+    plt.close(fig)
+    return True
+
+
+def _save(fig, path: Path) -> None:
+    atomic_write(path, lambda fh: fig.savefig(fh, dpi=100, format="png"), binary=True)
+
+
+def write_report(client, experiment: str, report_dir: Path, figure_dir: Path,
+                 only: set[tuple[str, int]] | None = None) -> list[MethodResult]:
+    """`report_dir/<experiment>.md` and its PNGs in `figure_dir`; returns the ranking."""
+    newest = collect(client, experiment, only)
+    metric = primary_metric(newest)
+    results = summarize(client, newest, metric)
+    figures = {}
+    for name, draw, caption in (
+        ("curves", curves_png, "learning curves"),
+        ("compute", compute_png, "metric against compute"),
+        ("clients", clients_png, "per-client distribution"),
+    ):
+        png = figure_dir / f"{experiment}-{name}.png"
+        if draw(png, client, results, metric, f"{experiment}: {caption}"):
+            figures[caption] = Path(os.path.relpath(png, report_dir)).as_posix()
+    atomic_write_text(report_dir / f"{experiment}.md", markdown(experiment, metric, results, figures))
+    return results

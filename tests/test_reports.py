@@ -1,0 +1,152 @@
+"""The comparison reports: which runs count, their statistics and marks, both reports agreeing,
+diverged runs listed, and `compare` against a real `mlflow server`."""
+
+import json
+import os
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+from conftest import background_server, free_port, mlflow_uri, tiny_params
+
+from flows.tables import build_table, markdown
+from pfl_tasks.config import parse_params
+from pfl_tasks.reports import ComparisonError, collect, summarize, write_report
+from pfl_tasks.stats import mean_ci
+from pfl_tasks.tracking import MlflowRun, write_csv
+
+
+def log_run(tmp, experiment, algorithm, seed, clients, global_clients=None, status="FINISHED",
+            diverged_at=None, metric="acc"):
+    """A run as training logs one: per-round records, final metrics and the selected round's
+    per-client table."""
+    run = MlflowRun(mlflow_uri(), experiment, f"{algorithm}-seed{seed}", None)
+    run.log_params_and_tags({}, {"algorithm": algorithm, "seed": str(seed)})
+    mean = float(np.mean(clients)) if clients else 0.0
+    for step, value in ((1, mean / 2), (2, mean)):
+        run.log_metrics({f"test/personalized/{metric}_mean": value, f"val/personalized/{metric}_mean": value,
+                         "compute/grad_samples": 100 * step}, step=step)
+    if diverged_at is not None:
+        run.set_tag("diverged_at", str(diverged_at))
+        run.finish("FAILED", f"diverged at round {diverged_at}")
+        time.sleep(0.01)
+        return run.run_id
+    run.log_metrics({f"selected/test/personalized/{metric}_mean": mean, f"selected/test/personalized/{metric}_worst10":
+                     min(clients), "selected/round": 2, "plateau/reached": 1.0, "final/compute/grad_samples": 200,
+                     "final/comm/bytes_up": 10, "final/comm/bytes_down": 20,
+                     "selected/personalized_is_global": float(global_clients is not None and global_clients == clients)},
+                    step=2)
+    upload = Path(tmp) / uuid.uuid4().hex
+    upload.mkdir()
+    rows = [{"client_id": k, "n_test": 10, f"test_personalized_{metric}": v} for k, v in enumerate(clients)]
+    for row, g in zip(rows, global_clients or []):
+        row[f"test_global_{metric}"] = g
+    write_csv(upload / "clients_selected.csv", rows)
+    run.log_artifacts(upload)
+    run.finish(status)
+    time.sleep(0.01)  # distinct start times: the newest run of (algorithm, seed) counts
+    return run.run_id
+
+
+def store_with_stale_and_extra_runs(tmp_path):
+    """Experiment with methods a (best), b (close to a), c (far worse, and global-only), d
+    (diverged on seed 1); plus runs that must not count."""
+    from mlflow.tracking import MlflowClient
+
+    experiment = f"cmp-{uuid.uuid4().hex[:8]}"
+    rng = np.random.default_rng(0)
+    base = {s: rng.uniform(0.5, 0.9, 20) for s in (0, 1)}
+    log_run(tmp_path, experiment, "a", 0, [0.0] * 20)  # superseded by the newer run of a, seed 0
+    for s in (0, 1):
+        log_run(tmp_path, experiment, "a", s, list(base[s] + 0.05))
+        noise = rng.normal(0, 0.02, 20)
+        log_run(tmp_path, experiment, "b", s, list(base[s] + 0.05 + noise - noise.mean() - 0.001))  # a - 0.001
+        worse = list(base[s] - 0.3)
+        log_run(tmp_path, experiment, "c", s, worse, global_clients=worse)
+    log_run(tmp_path, experiment, "d", 0, [1.0] * 20)
+    log_run(tmp_path, experiment, "d", 1, [1.0] * 20)  # superseded by its newer, diverged run
+    log_run(tmp_path, experiment, "d", 1, [], diverged_at=7)
+    log_run(tmp_path, experiment, "a", 2, [1.0] * 20)  # a seed no longer configured
+    log_run(tmp_path, experiment, "renamed", 0, [1.0] * 20)  # a method no longer configured
+    log_run(tmp_path, experiment, "b", 0, [1.0] * 20, status="FAILED")  # crashed: not a result
+    raw = tiny_params(algorithms=["a", "b", "c", "d"], seeds=[0, 1])
+    raw["experiments"] = {experiment: raw["experiments"]["tiny"]}
+    raw["tables"] = {"t": {"experiments": [experiment]}}
+    return MlflowClient(mlflow_uri()), experiment, parse_params(raw), base
+
+
+def test_both_reports_count_the_same_runs_with_cis_marks_and_diverged_runs(tmp_path):
+    client, experiment, params, base = store_with_stale_and_extra_runs(tmp_path)
+    results = write_report(client, experiment, tmp_path / "reports", tmp_path / "figures",
+                           {(m, s) for m in "abcd" for s in (0, 1)})
+    assert [r.method for r in results] == ["a", "b", "c", "d"]
+    a, b, c, d = results
+    assert a.seeds == [0, 1] and a.personalized == pytest.approx(mean_ci([base[0] + 0.05, base[1] + 0.05]))
+    assert a.personalized[1] < a.personalized[0] < a.personalized[2]
+    assert b.indistinguishable() and not c.indistinguishable() and a.p_vs_best is None
+    assert c.global_only and not a.global_only and not b.global_only
+    assert not d.ranked and d.diverged == [(1, 7)]
+
+    report = (tmp_path / "reports" / f"{experiment}.md").read_text()
+    assert "| 1 | a | 2 |" in report and "| 2 | b≈ | 2 |" in report and "| 3 | c† | 2 |" in report
+    assert "- d: diverged at round 7 (seed 1)" in report and "renamed" not in report
+    for name in ("curves", "compute", "clients"):
+        png = tmp_path / "figures" / f"{experiment}-{name}.png"
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"](../figures/{png.name})" in report
+
+    rows = build_table(client, params, params.tables["t"])
+    assert sorted(rows) == ["a", "b", "c", "d"]
+    for r in (a, b, c):
+        got = rows[r.method][experiment]
+        assert (got["mean"], got["ci_low"], got["ci_high"]) == pytest.approx(r.personalized)
+        assert got["seeds"] == 2 and got["marks"] == {"a": "", "b": "≈", "c": "†"}[r.method]
+    assert rows["d"][experiment] == {"metric": "acc", "status": "diverged at round 7 (seed 1)"}
+    text = markdown("t", rows, [experiment])
+    assert "| d | diverged at round 7 (seed 1) |" in text
+    json.dumps(rows, allow_nan=False)  # the DVC metrics file is strict JSON
+
+
+def test_regression_ranks_lowest_mse_first_and_missing_experiment_is_named(tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    experiment = f"mse-{uuid.uuid4().hex[:8]}"
+    log_run(tmp_path, experiment, "worse", 0, [2.0, 2.5], metric="mse")
+    log_run(tmp_path, experiment, "better", 0, [0.5, 0.7], metric="mse")
+    client = MlflowClient(mlflow_uri())
+    assert [r.method for r in summarize(client, collect(client, experiment), "mse")] == ["better", "worse"]
+    with pytest.raises(ComparisonError, match="no experiment 'nowhere'"):
+        write_report(client, "nowhere", tmp_path, tmp_path)
+
+
+@pytest.mark.slow
+def test_compare_against_a_real_mlflow_server(project, tmp_path):
+    """Two runs logged by the training flow's tracking code through a loopback `mlflow server`,
+    then ranked by `compare` over its REST API."""
+    from flows.compare import compare
+    from flows.train import train_experiment
+
+    port = free_port()
+    uri = f"http://127.0.0.1:{port}"
+    server = [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
+              "--backend-store-uri", f"sqlite:///{tmp_path}/server.db",
+              "--artifacts-destination", str(tmp_path / "art")]
+    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", "DO_NOT_TRACK": "true"}
+    data = tiny_params(algorithms=["local", "fedavg"])
+    data["federation"] = {"rounds": 2, "eval_every": 1, "checkpoint_every": 2}
+    data["tracking"] = {"mlflow_uri": uri}
+    (project / "params.yaml").write_text(yaml.safe_dump(data))
+
+    with background_server(server, f"{uri}/health", tmp_path / "mlflow.log", env):
+        results = train_experiment("tiny", str(project / "params.yaml"), str(project))
+        rankings = compare(["tiny"], str(project / "params.yaml"), root=str(project))
+
+    key = "selected/test/personalized/acc_mean"
+    assert [r.method for r in rankings["tiny"]] == sorted(("local", "fedavg"), key=lambda a: -results[a, 0][key])
+    for r in rankings["tiny"]:
+        assert r.personalized[0] == pytest.approx(results[r.method, 0][key])  # one seed: the client mean
+    assert (project / "reports/compare/tiny.md").exists()
+    assert (project / "reports/figures/tiny-clients.png").exists()  # artifacts came through the server
