@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,9 +45,8 @@ TASK_OPTIONS = dict(cache_policy=NO_CACHE, persist_result=False)
 
 @dataclass(frozen=True)
 class Problems:
-    train: object  # every training row: the final cells fit these
-    fit: object  # rows the cells fit during meta-training
-    supervise: object  # rows the meta loss is taken on
+    train: object  # every training row: the cells fit these
+    supervise: object  # rows the meta loss is taken on: train's, or the validation split's
     test: object
     w0: torch.Tensor
     upstream: str  # hash of the upstream checkpoint ("" for regression)
@@ -57,14 +57,18 @@ class Problems:
 def upstream_features(exp: ResolvedExperiment, params, data: FederatedData, run_name: str, root: Path):
     """(features, w0, hash): the trained body of `run_name`'s checkpoint as a frozen feature
     map, its head [classes, hidden + 1] flattened as the cells' starting w."""
-    path = RunPaths.of(root, exp.name, run_name, exp.seed).checkpoint
+    paths = RunPaths.of(root, exp.name, run_name, exp.seed)
+    path, where = paths.checkpoint, f"learn2pfed.{exp.name}.features_from"
+    outcome = json.loads(paths.metrics.read_text()) if paths.metrics.exists() else {}
+    if outcome.get("status") == "diverged":
+        raise ConfigError(f"{where}: '{run_name}' diverged at round {outcome['round']} ({paths.metrics}): "
+                          "no trained body to take features from")
     if not path.exists():
         raise CheckpointError(f"{path}: missing; run `dvc repro train@{exp.name}` first")
     ckpt = load_checkpoint(path, {"experiment": exp.name, "algorithm": run_name})
     if ckpt["round"] != exp.federation.rounds:
         raise CheckpointError(f"{path}: at round {ckpt['round']} of {exp.federation.rounds}; finish train@{exp.name} first")
     model = build(run_name, exp.hyper[run_name]).global_model(ckpt["server"], ckpt["clients"])
-    where = f"learn2pfed.{exp.name}.features_from"
     if model is None:
         raise ConfigError(f"{where}: '{run_name}' has no global model to take a body from")
     if len(head_keys(model)) != 2 or len(model) == 2:
@@ -96,17 +100,15 @@ def build_problems(exp, params, cfg: Learn2pFedConfig, supervision: str, root: P
         w0, upstream = torch.zeros(features(data.train.x[:1]).shape[1], dtype=torch.float64), ""
     train_features = features(data.train.x)
     train = padded_problem(data.train, train_features, n_classes)
-    if supervision == "train":
-        fit = supervise = train
-    else:  # the cells fit the training split, the meta loss is taken on the validation split
-        fit, supervise = train, padded_problem(data.val, features(data.val.x), n_classes, name="validation")
+    supervise = train if supervision == "train" else padded_problem(data.val, features(data.val.x), n_classes,
+                                                                      name="validation")
     test = padded_problem(data.test, features(data.test.x), n_classes, name="test")
-    return Problems(train, fit, supervise, test, w0, upstream, data.manifest_hash, data.partition)
+    return Problems(train, supervise, test, w0, upstream, data.manifest_hash, data.partition)
 
 
 @task(**TASK_OPTIONS, task_run_name="meta-epochs-{start}-{stop}")
 def meta_epochs(cells, opt, cfg, problems: Problems, start: int, stop: int) -> list[tuple[float, float]]:
-    return [meta_epoch(cells, opt, cfg, e, problems.fit, problems.supervise, problems.w0)
+    return [meta_epoch(cells, opt, cfg, e, problems.train, problems.supervise, problems.w0)
             for e in range(start, stop)]
 
 
@@ -141,6 +143,7 @@ def learn2pfed_flow(experiment: str, supervision: str, seed: int, params_path: s
     identity = {"experiment": exp.name, "algorithm": run_name, "config_hash": config_hash(config),
                 "config": json.dumps(config, sort_keys=True)}
 
+    task_kind = "classification" if problems.test.n_classes else "regression"
     cells = Cells(problems.train, cfg.cells, cfg.tied, cfg.init.model_dump(), torch.Generator().manual_seed(seed))
     opt = make_optimizer(cells, cfg.meta)
     with Run(paths, identity, params.tracking, seed, total=cfg.meta.epochs, unit="epoch",
@@ -152,9 +155,9 @@ def learn2pfed_flow(experiment: str, supervision: str, seed: int, params_path: s
             history = run.resumed["history"]
             print(f"{run.label}: resuming from meta-epoch {len(history)}")
         run.track(exp.name,
-                  flatten({"experiment": exp.model_dump(mode="json", exclude={"hyper"}), "learn2pfed": cfg.model_dump(mode="json"),
-                           "supervision": supervision}),
-                  run_tags(exp, problems.partition, run_name, "learn2pfed", "Lv et al., arXiv:2401.08327",
+                  flatten({"experiment": exp.model_dump(mode="json", exclude={"hyper"}),
+                           "learn2pfed": cfg.model_dump(mode="json"), "supervision": supervision}),
+                  run_tags(exp, task_kind, problems.partition, run_name, "learn2pfed", "Lv et al., arXiv:2401.08327",
                            data_hash, identity["config_hash"], str(flow_run.id)))
         run.log(history)
 
@@ -170,12 +173,15 @@ def learn2pfed_flow(experiment: str, supervision: str, seed: int, params_path: s
                 block = meta_epochs(cells, opt, cfg, problems, start, stop)
                 history += [{"epoch": e, "meta/loss": sup, "meta/fit_loss": fit}
                             for e, (sup, fit) in enumerate(block, start)]
+                broken = [h["epoch"] for h in history[start:] if not math.isfinite(h["meta/loss"])]
+                if broken or not all(torch.isfinite(p).all() for p in cells.parameters()):
+                    at = broken[0] + 1 if broken else stop
+                    return run.diverged(at, f"meta loss or Theta not finite after meta-epoch {at}", [])
             checkpoint(paths.checkpoint, stop, snapshot())
             run.log(history)
             run.note(f"meta loss={history[-1]['meta/loss']:.4f}")
 
         per_client = evaluate_clients(cells, cfg, problems)
-        task_kind = "classification" if problems.test.n_classes else "regression"
         per_client = {"test": per_client}
         final = final_metrics([{"round": cfg.meta.epochs, **summarize_eval(per_client)}], task_kind)
         final.update(communication(problems.train, cfg.cells))

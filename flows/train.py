@@ -30,7 +30,7 @@ from pfl_tasks.config import (
     ConfigError, EngineConfig, ResolvedExperiment, TrackingConfig, config_hash, load_params,
 )
 from pfl_tasks.data import load_partition, partition_dir
-from pfl_tasks.engine.checkpoint import save_checkpoint
+from pfl_tasks.engine.checkpoint import CheckpointError, save_checkpoint
 from pfl_tasks.engine.state import gather
 from pfl_tasks.runs import Run, RunPaths
 from pfl_tasks.tracking import (
@@ -224,11 +224,14 @@ def train_run(
         if ckpt is None:
             state, history, tables, spent, skipped = fed.initial_state(), [], {}, dict.fromkeys(COSTS, 0), 0
         else:
+            if "spent" not in ckpt:
+                raise CheckpointError(f"{paths.checkpoint}: written before validation splits and cost accounting; "
+                                      "rerun with --on-config-change restart")
             state = RunState(ckpt["round"], fed.to_device(ckpt["server"]), ckpt["clients"])
             history, tables, spent, skipped = ckpt["history"], ckpt["tables"], ckpt["spent"], ckpt["skipped"]
             print(f"{run.label}: resuming from round {state.round}")
         run.track(exp.name, flatten({"experiment": exp.model_dump(mode="json", exclude={"hyper"}), "algorithm": raw_hp}),
-                  run_tags(exp, data.partition, run_name, fed.algorithm.name, fed.algorithm.citation,
+                  run_tags(exp, data.task, data.partition, run_name, fed.algorithm.name, fed.algorithm.citation,
                            data.manifest_hash, identity["config_hash"], flow_run_id))
         run.log(history)  # what a failed MLflow write left unlogged
 

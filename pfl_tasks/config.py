@@ -361,13 +361,6 @@ class ExperimentConfig(Strict):
     def _listed_once(cls, algorithms: list[str] | None) -> list[str] | None:
         return _once(algorithms, "algorithms")
 
-    @model_validator(mode="after")
-    def _overrides_of_its_algorithms(self) -> ExperimentConfig:
-        strays = sorted(set(self.algorithm_overrides) - set(self.algorithms or self.algorithm_overrides))
-        if strays:
-            raise ValueError(f"algorithm_overrides: {strays} are not among this experiment's algorithms")
-        return self
-
 
 class ResolvedExperiment(Strict):
     """One experiment with the top-level defaults merged in: what a training run needs."""
@@ -412,6 +405,9 @@ class SweepConfig(Strict):
                               f"(have: {sorted(experiments)})")
         exp = dict(experiments[self.experiment])
         exp.update({k: v for k, v in (("algorithms", self.algorithms), ("seeds", self.seeds)) if v is not None})
+        if self.algorithms is not None:  # the overrides of the algorithms it runs
+            exp["algorithm_overrides"] = {k: v for k, v in (exp.get("algorithm_overrides") or {}).items()
+                                          if k in self.algorithms}
         raw.update(experiments={self.experiment_name: exp}, learn2pfed={}, tables={})
         parse_params(raw)
         return raw
@@ -451,6 +447,9 @@ class Params(Strict):
                 )
             if exp.algorithms is None and not self.algorithms:
                 raise ValueError(f"experiments.{name}.algorithms: none listed, and 'algorithms' is empty")
+            strays = sorted(set(exp.algorithm_overrides) - set(exp.algorithms or self.algorithms))
+            if strays:
+                raise ValueError(f"experiments.{name}.algorithm_overrides: {strays} are not among its algorithms")
         return self
 
     def partition_seeds(self, dataset: str) -> list[int]:

@@ -72,6 +72,9 @@ def collect(client, experiment: str, only: set[tuple[str, int]] | None = None) -
 
 
 def primary_metric(newest: dict[str, dict[int, object]]) -> str:
+    tasks = {run.data.tags.get("task") for by_seed in newest.values() for run in by_seed.values()}
+    if tasks & {"classification", "regression"}:
+        return "acc" if "classification" in tasks else "mse"
     keys = {k for by_seed in newest.values() for run in by_seed.values() for k in run.data.metrics}
     return "acc" if "selected/test/personalized/acc_mean" in keys else "mse"
 
@@ -96,7 +99,10 @@ class MethodResult:
     eval_grad_samples: float | None  # personalization compute of one evaluation
     comm_bytes: float | None  # up + down, the whole run
     global_only: bool  # the personalized model is the global one
-    clients: dict[int, np.ndarray]  # seed -> per-client test metric at the selected round
+    # seed -> per-client test metric at the selected round; when every seed trained on the same
+    # partition (a natural one, split by time), one entry: each client's mean over seeds
+    clients: dict[int, np.ndarray]
+    data_hashes: dict[int, str]  # seed -> its partition's hash: only runs on one partition pair up
     p_vs_best: float | None = None  # Holm-adjusted; None for the best and for the unranked
 
     @property
@@ -124,23 +130,34 @@ def method_result(client, method: str, by_seed: dict[int, object], metric: str) 
     diverged = [(s, int(r.data.tags["diverged_at"])) for s, r in sorted(by_seed.items()) if s not in finished]
     runs = list(finished.values())
     tables = {s: clients_table(client, r.info.run_id) for s, r in finished.items()}
-    personal = {s: t[f"test_personalized_{metric}"].to_numpy() for s, t in tables.items() if t is not None}
-    shared = {s: t[f"test_global_{metric}"].to_numpy() for s, t in tables.items()
-              if t is not None and f"test_global_{metric}" in t}
+    hashes = {s: r.data.tags.get("data_hash", "") for s, r in finished.items()}
+    personal = _per_partition({s: t[f"test_personalized_{metric}"].to_numpy() for s, t in tables.items()
+                               if t is not None}, hashes)
+    shared = _per_partition({s: t[f"test_global_{metric}"].to_numpy() for s, t in tables.items()
+                             if t is not None and f"test_global_{metric}" in t}, hashes)
+    complete = all(t is not None for t in tables.values())
     up, down = _mean(runs, "final/comm/bytes_up"), _mean(runs, "final/comm/bytes_down")
     return MethodResult(
         method, metric, list(finished), [r.info.run_id for r in runs], diverged,
-        mean_ci(list(personal.values())) if personal and len(personal) == len(runs) else None,
+        mean_ci(list(personal.values())) if personal and complete else None,
         _mean(runs, f"selected/val/personalized/{metric}_mean"),
-        mean_ci(list(shared.values())) if shared and len(shared) == len(runs) else None,
+        mean_ci(list(shared.values())) if shared and complete else None,
         _mean(runs, f"selected/test/personalized/{metric}_worst10"),
         [int(r.data.metrics["selected/round"]) for r in runs if "selected/round" in r.data.metrics],
         [r.data.metrics["plateau/reached"] == 1 for r in runs if "plateau/reached" in r.data.metrics],
         _mean(runs, "final/compute/grad_samples"), _mean(runs, "final/compute/eval_grad_samples"),
         None if up is None or down is None else up + down,
         bool(runs) and all(r.data.metrics.get("selected/personalized_is_global") == 1 for r in runs),
-        personal,
+        personal, hashes,
     )
+
+
+def _per_partition(values: dict[int, np.ndarray], hashes: dict[int, str]) -> dict[int, np.ndarray]:
+    """Per-seed client values; seeds that share one partition (the same clients, so not
+    independent samples of them) as one entry of each client's mean over those seeds."""
+    if len(values) > 1 and len({hashes[s] for s in values}) == 1:
+        return {min(values): np.mean(list(values.values()), axis=0)}
+    return values
 
 
 def summarize(client, newest: dict[str, dict[int, object]], metric: str) -> list[MethodResult]:
@@ -153,7 +170,7 @@ def summarize(client, newest: dict[str, dict[int, object]], metric: str) -> list
     if len(ranked) > 1:
         best, raw = ranked[0], {}
         for r in ranked[1:]:
-            common = sorted(set(best.clients) & set(r.clients))
+            common = sorted(s for s in set(best.clients) & set(r.clients) if best.data_hashes[s] == r.data_hashes[s])
             if common:
                 raw[r.method] = paired_pvalue([best.clients[s] for s in common], [r.clients[s] for s in common])
         adjusted = holm(raw)
@@ -216,10 +233,10 @@ def markdown(experiment: str, metric: str, results: list[MethodResult], figures:
         f"# {experiment}: comparison",
         "",
         *protocol_lines(),
-        f"Plateaued: seeds whose best validation metric gained less than {tolerance} over the last fifth of "
-        "the rounds. Compute: samples × forward-backward passes over all clients, the whole run (+ one "
+        f"Plateaued: seeds whose mean validation metric over the last fifth of the rounds gained less than "
+        f"{tolerance} on the fifth before. Compute: samples × forward-backward passes over all clients, the whole run (+ one "
         "evaluation's personalization). Communication: bytes up and down, the whole run. Runs: the newest "
-        f"finished run of each configured method and seed in MLflow experiment `{experiment}`.",
+        f"finished or diverged run of each configured method and seed in MLflow experiment `{experiment}`.",
         "",
         "| rank | method | seeds | personalized (95% CI) | global (95% CI) | worst 10% of clients "
         "| selected rounds | plateaued | compute | + per evaluation | communication |",

@@ -1,7 +1,7 @@
 """Statistics for the comparison reports: a hierarchical bootstrap CI over seeds and clients
 (`mean_ci`), a two-sided Wilcoxon signed-rank test on paired per-client differences
 (`paired_pvalue`) and Holm–Bonferroni adjustment over the methods compared with the best
-(`holm`, `indistinguishable_from_best`).
+(`holm`).
 
 A method's result is `list[np.ndarray]`: one 1-D array per seed of that seed's per-client
 values of a metric. Seeds are different client partitions; within a seed, two methods'
@@ -78,12 +78,3 @@ def holm(pvalues: dict[str, float]) -> dict[str, float]:
         running = max(running, min(1.0, (m - rank) * pvalues[name]))
         adjusted[name] = running
     return {name: adjusted[name] for name in pvalues}
-
-
-def indistinguishable_from_best(results: dict[str, list[np.ndarray]],
-                                best: str) -> dict[str, float]:
-    """Holm-adjusted p-value of each method against `best`; adjusted p >= alpha means
-    "not significantly different from the best"."""
-    if best not in results:
-        raise ValueError(f"best method {best!r} not in results")
-    return holm({m: paired_pvalue(results[best], r) for m, r in results.items() if m != best})

@@ -56,25 +56,26 @@ def final_metrics(history: list[dict], task: str) -> dict[str, float]:
     return out
 
 
-# a run has plateaued when, over the last fifth of its rounds, its best personalized validation
-# metric improved by less than half a point of accuracy, or 1% of the MSE
+# a run has plateaued when its mean personalized validation metric over the evaluations of the
+# last fifth of its rounds is better than over the fifth before by less than half a point of
+# accuracy, or 1% of the MSE (window means: one noisy evaluation decides nothing)
 PLATEAU_WINDOW = 0.2
 PLATEAU_TOLERANCE = {"acc": 0.005, "mse": 0.01}
 
 
 def plateau(history: list[dict], task: str) -> dict[str, float]:
-    """`plateau/gain`, what the best validation metric gained over the last fifth of the rounds
-    (absolute for accuracy, relative for MSE), and `plateau/reached` (1 or 0, by
-    PLATEAU_TOLERANCE); nothing when no evaluation precedes that window."""
+    """`plateau/gain`, what the mean validation metric gained from the second-to-last fifth of
+    the rounds to the last (absolute for accuracy, relative for MSE), and `plateau/reached` (1 or
+    0, by PLATEAU_TOLERANCE); nothing when either window holds no evaluation."""
     metric = PRIMARY[task]
-    key, higher = f"val/personalized/{metric}_mean", HIGHER_IS_BETTER[metric]
-    start = history[-1]["round"] * (1 - PLATEAU_WINDOW)
-    before = [h[key] for h in history if h["round"] <= start]
-    if not before or key not in history[-1]:
+    key, total = f"val/personalized/{metric}_mean", history[-1]["round"]
+    windows = [[h[key] for h in history if key in h and lo < h["round"] <= hi]
+               for lo, hi in ((total * (1 - 2 * PLATEAU_WINDOW), total * (1 - PLATEAU_WINDOW)),
+                              (total * (1 - PLATEAU_WINDOW), total))]
+    if not all(windows):
         return {}
-    best = max if higher else min
-    reference, reached = best(before), best(h[key] for h in history)
-    gain = reached - reference if higher else (reference - reached) / reference
+    before, last = (sum(w) / len(w) for w in windows)
+    gain = last - before if HIGHER_IS_BETTER[metric] else (before - last) / before
     return {"plateau/gain": gain, "plateau/reached": float(gain < PLATEAU_TOLERANCE[metric])}
 
 
@@ -121,6 +122,8 @@ def write_dvc_outputs(metrics_path: Path, curve_path: Path, final: dict, history
     atomic_write_text(metrics_path, json_text(final))
     if history:
         write_csv(curve_path, history)
+    else:  # diverged before its first evaluation: no curve, not an earlier run's
+        curve_path.unlink(missing_ok=True)
 
 
 def learning_curve_png(path: Path, history: list[dict], task: str, title: str) -> None:
@@ -172,11 +175,11 @@ def git_commit() -> str:
         return "unknown"
 
 
-def run_tags(exp, partition: str, run_name: str, algorithm_class: str, citation: str, data_hash: str,
+def run_tags(exp, task: str, partition: str, run_name: str, algorithm_class: str, citation: str, data_hash: str,
              config_hash: str, flow_run_id: str) -> dict[str, str]:
     """The MLflow tags a comparison filters and groups by."""
     return {
-        "experiment": exp.name, "dataset": exp.dataset, "partition": partition, "model": exp.model.kind,
+        "experiment": exp.name, "dataset": exp.dataset, "partition": partition, "model": exp.model.kind, "task": task,
         "algorithm": run_name, "algorithm_class": algorithm_class, "citation": citation, "seed": str(exp.seed),
         "git_commit": git_commit(), "data_hash": data_hash, "config_hash": config_hash,
         "prefect_flow_run_id": flow_run_id,
@@ -312,8 +315,9 @@ class MlflowRun:
                 run = self._call("get run", self.client.get_run, run_id)
                 self.run_id = run.info.run_id
                 self._call("resume run", self.client.update_run, self.run_id, status="RUNNING")
-                if "failure" in run.data.tags:  # of the attempt this one resumes
-                    self._call("resume run", self.client.delete_tag, self.run_id, "failure")
+                for stale in ("failure", "diverged_at"):  # of the attempt this one resumes
+                    if stale in run.data.tags:
+                        self._call("resume run", self.client.delete_tag, self.run_id, stale)
                 self._call("tag run", self.client.log_batch, self.run_id,
                            tags=[RunTag(k, v) for k, v in (tags or {}).items()])
                 return

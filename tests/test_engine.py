@@ -58,6 +58,7 @@ def test_vectorized_equals_sequential(digits6, algorithm, local):
     seq_model, _ = fed.algorithm.personalized(seq.server, seq.clients)
     start_model, _ = fed.algorithm.personalized(start.server, start.clients)
     assert_trees_close(vec_model, seq_model)
+    assert vec.grad_samples == seq.grad_samples > 0  # the same compute, counted either way
     assert (vec_model["3.weight"] - start_model["3.weight"]).abs().max() > 1e-3  # it trained
 
 
@@ -120,6 +121,8 @@ def test_epochs_budget_gives_each_client_its_own_step_count():
 def test_vectorized_equals_sequential_for_seed_algorithms(digits6, algorithm):
     fed, vec = run(digits6, algorithm, "vectorized", hp={"feddyn": {"alpha": 0.1}}.get(algorithm, {}))
     _, seq = run(digits6, algorithm, "sequential", hp={"feddyn": {"alpha": 0.1}}.get(algorithm, {}))
+    assert vec.grad_samples == seq.grad_samples  # the last round's compute, counted either way
+    assert vec.grad_samples > 0 or algorithm == "l2sgd"  # L2SGD's third round only communicates
     for view in (fed.algorithm.personalized, lambda s, c: (fed.algorithm.global_model(s, c), False)):
         a, _ = view(vec.server, vec.clients)
         b, _ = view(seq.server, seq.clients)

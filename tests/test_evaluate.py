@@ -56,16 +56,18 @@ def test_the_selected_round_follows_the_validation_metric_only():
     assert final["final/test/personalized/acc_mean"] == 0.9 and final["selected/test/personalized/acc_mean"] == 0.6
 
 
-def test_plateau_is_the_validation_gain_over_the_last_fifth_of_the_rounds():
+def test_plateau_is_the_gain_of_the_mean_validation_metric_from_one_fifth_of_the_rounds_to_the_last():
     def history(values, key="val/personalized/acc_mean"):
         return [{"round": 10 * (i + 1), key: v} for i, v in enumerate(values)]
 
-    climbing = plateau(history([0.5, 0.6, 0.7, 0.8, 0.9]), "classification")  # 40 -> 50: +0.1
-    assert climbing == {"plateau/gain": pytest.approx(0.1), "plateau/reached": 0.0}
-    flat = plateau(history([0.5, 0.7, 0.8, 0.803, 0.801]), "classification")
-    assert flat["plateau/gain"] == pytest.approx(0.0) and flat["plateau/reached"] == 1.0
-    late = plateau(history([0.5, 0.7, 0.8, 0.79, 0.806]), "classification")
+    # 10 evaluations: the windows are rounds 70-80 and 90-100
+    climbing = plateau(history([0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0]), "classification")
+    assert climbing == {"plateau/gain": pytest.approx(0.2), "plateau/reached": 0.0}
+    noisy = plateau(history([0.5, 0.7, 0.8, 0.8, 0.8, 0.8, 0.79, 0.81, 0.78, 0.82]), "classification")
+    assert noisy["plateau/gain"] == pytest.approx(0.0) and noisy["plateau/reached"] == 1.0
+    late = plateau(history([0.5, 0.7, 0.8, 0.8, 0.8, 0.8, 0.8, 0.8, 0.806, 0.806]), "classification")
     assert late["plateau/gain"] == pytest.approx(0.006) and late["plateau/reached"] == 0.0
-    mse = plateau(history([4.0, 2.0, 1.0, 1.0, 0.995], "val/personalized/mse_mean"), "regression")
+    key = "val/personalized/mse_mean"
+    mse = plateau(history([4.0, 2.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.995, 0.995], key), "regression")
     assert mse["plateau/gain"] == pytest.approx(0.005) and mse["plateau/reached"] == 1.0
-    assert plateau(history([0.5]), "classification") == {}  # nothing before the last fifth
+    assert plateau(history([0.5, 0.6]), "classification") == {}  # no evaluation in the fifth before the last

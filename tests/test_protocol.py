@@ -89,7 +89,7 @@ def test_an_experiment_overrides_an_algorithms_hyper_parameters_for_itself():
     with pytest.raises(ConfigError, match=r"experiments\.tiny\.algorithm_overrides\.fedprox\.mu"):
         validate_params(parse_params(data))
     data["experiments"]["tiny"]["algorithm_overrides"] = {"fedavg": {}}
-    with pytest.raises(ConfigError, match=r"algorithm_overrides: \['fedavg'\] are not among"):
+    with pytest.raises(ConfigError, match=r"experiments.tiny.algorithm_overrides: \['fedavg'\] are not among"):
         parse_params(data)
     data["experiments"]["tiny"].update(algorithms=["fedprx"], algorithm_overrides={})
     with pytest.raises(ConfigError, match=r"experiments\.tiny\.algorithms\[0\]: unknown algorithm 'fedprx'"):

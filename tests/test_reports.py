@@ -15,17 +15,18 @@ from conftest import background_server, free_port, mlflow_uri, tiny_params
 
 from flows.tables import build_table, markdown
 from pfl_tasks.config import parse_params
-from pfl_tasks.reports import ComparisonError, collect, summarize, write_report
+from pfl_tasks.reports import ComparisonError, collect, summarize, winner_on_validation, write_report
 from pfl_tasks.stats import mean_ci
 from pfl_tasks.tracking import MlflowRun, write_csv
 
 
 def log_run(tmp, experiment, algorithm, seed, clients, global_clients=None, status="FINISHED",
-            diverged_at=None, metric="acc"):
+            diverged_at=None, metric="acc", val=None, partition=None):
     """A run as training logs one: per-round records, final metrics and the selected round's
-    per-client table."""
+    per-client table; seed s trained on partition `part-s` unless `partition` says otherwise."""
     run = MlflowRun(mlflow_uri(), experiment, f"{algorithm}-seed{seed}", None)
-    run.log_params_and_tags({}, {"algorithm": algorithm, "seed": str(seed)})
+    run.log_params_and_tags({}, {"algorithm": algorithm, "seed": str(seed), "data_hash": partition or f"part-{seed}",
+                                 "task": "classification" if metric == "acc" else "regression"})
     mean = float(np.mean(clients)) if clients else 0.0
     for step, value in ((1, mean / 2), (2, mean)):
         run.log_metrics({f"test/personalized/{metric}_mean": value, f"val/personalized/{metric}_mean": value,
@@ -35,7 +36,9 @@ def log_run(tmp, experiment, algorithm, seed, clients, global_clients=None, stat
         run.finish("FAILED", f"diverged at round {diverged_at}")
         time.sleep(0.01)
         return run.run_id
-    run.log_metrics({f"selected/test/personalized/{metric}_mean": mean, f"selected/test/personalized/{metric}_worst10":
+    run.log_metrics({f"selected/test/personalized/{metric}_mean": mean,
+                     f"selected/val/personalized/{metric}_mean": mean if val is None else val,
+                     f"selected/test/personalized/{metric}_worst10":
                      min(clients), "selected/round": 2, "plateau/reached": 1.0, "final/compute/grad_samples": 200,
                      "final/comm/bytes_up": 10, "final/comm/bytes_down": 20,
                      "selected/personalized_is_global": float(global_clients is not None and global_clients == clients)},
@@ -64,7 +67,8 @@ def store_with_stale_and_extra_runs(tmp_path):
     for s in (0, 1):
         log_run(tmp_path, experiment, "a", s, list(base[s] + 0.05))
         noise = rng.normal(0, 0.02, 20)
-        log_run(tmp_path, experiment, "b", s, list(base[s] + 0.05 + noise - noise.mean() - 0.001))  # a - 0.001
+        log_run(tmp_path, experiment, "b", s, list(base[s] + 0.05 + noise - noise.mean() - 0.001),  # a - 0.001
+                val=0.99)  # but the best on validation
         worse = list(base[s] - 0.3)
         log_run(tmp_path, experiment, "c", s, worse, global_clients=worse)
     log_run(tmp_path, experiment, "d", 0, [1.0] * 20)
@@ -90,6 +94,7 @@ def test_both_reports_count_the_same_runs_with_cis_marks_and_diverged_runs(tmp_p
     assert b.indistinguishable() and not c.indistinguishable() and a.p_vs_best is None
     assert c.global_only and not a.global_only and not b.global_only
     assert not d.ranked and d.diverged == [(1, 7)]
+    assert winner_on_validation(results) == "b"  # what a sweep picks: never the test ranking
 
     report = (tmp_path / "reports" / f"{experiment}.md").read_text()
     assert "| 1 | a | 2 |" in report and "| 2 | b≈ | 2 |" in report and "| 3 | c† | 2 |" in report
@@ -108,6 +113,20 @@ def test_both_reports_count_the_same_runs_with_cis_marks_and_diverged_runs(tmp_p
     text = markdown("t", rows, [experiment])
     assert "| d | diverged at round 7 (seed 1) |" in text
     json.dumps(rows, allow_nan=False)  # the DVC metrics file is strict JSON
+
+
+def test_seeds_on_one_partition_count_each_client_once(tmp_path):
+    """chicago: every seed trains on the same stations, so a client is one sample, not one per seed."""
+    from mlflow.tracking import MlflowClient
+
+    experiment = f"same-{uuid.uuid4().hex[:8]}"
+    seeds = {0: [0.2, 0.4, 0.9], 1: [0.4, 0.6, 0.7]}
+    for seed, values in seeds.items():
+        log_run(tmp_path, experiment, "a", seed, values, partition="stations")
+    client = MlflowClient(mlflow_uri())
+    (a,) = summarize(client, collect(client, experiment), "acc")
+    assert list(a.clients) == [0] and a.clients[0] == pytest.approx([0.3, 0.5, 0.8])
+    assert a.personalized == pytest.approx(mean_ci([np.array([0.3, 0.5, 0.8])]))
 
 
 def test_regression_ranks_lowest_mse_first_and_missing_experiment_is_named(tmp_path):

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from scipy.stats import wilcoxon
 
-from pfl_tasks.stats import holm, indistinguishable_from_best, mean_ci, paired_pvalue
+from pfl_tasks.stats import holm, mean_ci, paired_pvalue
 
 
 def _seeds(rng, n_seeds=3, n_clients=20, loc=0.5, scale=0.1):
@@ -125,21 +125,3 @@ def test_holm_monotone_and_capped():
 
 def test_holm_empty():
     assert holm({}) == {}
-
-
-# indistinguishable_from_best
-
-def test_indistinguishable_from_best():
-    rng = np.random.default_rng(10)
-    best = _seeds(rng)
-    results = {
-        "best": best,
-        "near": [x + rng.normal(0, 1e-4, x.size) for x in best],
-        "worse": [x - 0.1 + rng.normal(0, 1e-3, x.size) for x in best],
-    }
-    adjusted = indistinguishable_from_best(results, "best")
-    assert set(adjusted) == {"near", "worse"}
-    assert adjusted["near"] > 0.05
-    assert adjusted["worse"] < 1e-6
-    with pytest.raises(ValueError):
-        indistinguishable_from_best(results, "missing")

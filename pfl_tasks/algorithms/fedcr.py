@@ -104,6 +104,7 @@ class FedCR(Algorithm):
             return ((loss + hp.beta * kl) * batch_.weight).sum(), (mu, var)
 
         def step(carry, data_loss, aux, batch_):
+            batch_.record_pass()
             g, (mu, var) = grad(objective, has_aux=True)(carry["params"], batch_)
             onehot = F.one_hot(batch_.y, n_classes).to(mu.dtype) * (batch_.weight > 0).unsqueeze(-1).to(mu.dtype)
             precision = (1 / var).detach()

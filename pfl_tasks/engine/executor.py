@@ -36,12 +36,15 @@ Step = Callable[[Tree, DataLoss, Tree, "Batch"], Tree]
 @dataclass(frozen=True)
 class Batch:
     """One client's minibatch inside a `scan` step: `weight` sums to 1 over real rows (0 on
-    padding), `extra` holds this step's slice of the `per_step` tensors."""
+    padding), `extra` holds this step's slice of the `per_step` tensors. A step that does not
+    go through `data_loss` calls `record_pass()` once per forward-backward pass over the batch,
+    for the compute accounting."""
 
     x: torch.Tensor
     y: torch.Tensor
     weight: torch.Tensor
     extra: Tree
+    record_pass: Callable[[], None]
 
 
 def data_objective(data_loss, params, aux):
@@ -150,8 +153,12 @@ class LocalTrainer(ABC):
     def net_loss(self, params: Params, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return per_sample_loss(self.task, functional_call(self.net, params, (x,)), y)
 
+    def _record_pass(self) -> None:
+        """Inside a vectorized step, traced once for every client of the chunk."""
+        self._passes += 1
+
     def _count_step(self, samples: int) -> None:
-        """One vectorized step ran `self._passes` data losses over `samples` real batch rows."""
+        """One vectorized step ran `self._passes` passes over `samples` real batch rows."""
         self.grad_samples += self._passes * samples
         self._passes = 0
 
@@ -167,7 +174,7 @@ class VectorizedTrainer(LocalTrainer):
 
         def client_objective(train_p, frozen_p, x, y, mask, aux_k):
             def data_loss(p):
-                self._passes += 1
+                self._record_pass()
                 losses = self.net_loss(p, x, y)
                 return (losses * mask).sum() / mask.sum()
 
@@ -191,10 +198,10 @@ class VectorizedTrainer(LocalTrainer):
             weight = mask / mask.sum()
 
             def data_loss(p):
-                self._passes += 1
+                self._record_pass()
                 return (self.net_loss(p, x, y) * weight).sum()
 
-            return step(c, data_loss, a, Batch(x, y, weight, extra))
+            return step(c, data_loss, a, Batch(x, y, weight, extra, self._record_pass))
 
         stepped = vmap(client_step)
         samples = sched.mask.sum((0, 2)).tolist()
@@ -252,13 +259,21 @@ class SequentialTrainer(LocalTrainer):
                 x, y = self._batch(sched, i, s)
                 extra = tree_map(lambda t: t[i, s, : len(y)], per_step)
                 weight = torch.full((len(y),), 1 / len(y), device=x.device)
-                c = step(c, self._data_loss(x, y), a, Batch(x, y, weight, extra))
+                c = step(c, self._data_loss(x, y), a, Batch(x, y, weight, extra, self._recorder(len(y))))
             rows.append(c)
         return tree_zip(lambda *ts: torch.stack(ts), *rows)
 
+    def _recorder(self, rows: int) -> Callable[[], None]:
+        def record_pass():
+            self.grad_samples += rows
+
+        return record_pass
+
     def _data_loss(self, x, y) -> DataLoss:
+        record_pass = self._recorder(len(y))
+
         def data_loss(p):
-            self.grad_samples += len(y)
+            record_pass()
             return self.net_loss(p, x, y).mean()
 
         return data_loss
