@@ -282,56 +282,58 @@ def _legend(fig, plt) -> None:
     fig.legend(loc="center left", bbox_to_anchor=(0.85, 0.5), fontsize=8)
 
 
-def curves_png(path: Path, client, results: list[MethodResult], metric: str, title: str) -> bool:
-    """Personalized and global test metric per round, one line per ranked method."""
+def _two_panels(path: Path, results: list[MethodResult], title: str, panels, lines, style) -> bool:
+    """One figure of two panels sharing y, a line per ranked method in each; `lines(r, panel)`
+    gives (x, y) points and `style(ax, panel)` labels a panel. Saved only if a line was drawn."""
     plt = _pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
     colors = plt.get_cmap("tab20")
     drawn = False
     for i, r in enumerate(x for x in results if x.ranked):
-        for ax, kind in zip(axes, ("personalized", "global")):
-            curve = mean_curve(client, r.run_ids, f"test/{kind}/{metric}_mean")
-            if curve:
-                ax.plot(list(curve), list(curve.values()), marker=".", color=colors(i % 20),
-                        label=r.method if kind == "personalized" else None)
+        for ax, panel in zip(axes, panels):
+            points = lines(r, panel)
+            if points:
+                ax.plot(*zip(*points), marker=".", color=colors(i % 20), label=r.method if panel == panels[0] else None)
                 drawn = True
-    for ax, kind in zip(axes, ("personalized", "global")):
-        ax.set(xlabel="round", title=f"{kind} model", ylabel=f"test {metric}, mean over clients")
+    for ax, panel in zip(axes, panels):
+        style(ax, panel)
         ax.grid(alpha=0.3)
-        ax.xaxis.get_major_locator().set_params(integer=True)
     fig.suptitle(title)
     _legend(fig, plt)
     if drawn:
         _save(fig, path)
     plt.close(fig)
     return drawn
+
+
+def curves_png(path: Path, client, results: list[MethodResult], metric: str, title: str) -> bool:
+    """Personalized and global test metric per round, one line per ranked method."""
+    def lines(r, kind):
+        return list(mean_curve(client, r.run_ids, f"test/{kind}/{metric}_mean").items())
+
+    def style(ax, kind):
+        ax.set(xlabel="round", title=f"{kind} model", ylabel=f"test {metric}, mean over clients")
+        ax.xaxis.get_major_locator().set_params(integer=True)
+
+    return _two_panels(path, results, title, ("personalized", "global"), lines, style)
 
 
 def compute_png(path: Path, client, results: list[MethodResult], metric: str, title: str) -> bool:
     """Personalized validation and test metric against cumulative training compute."""
-    plt = _pyplot()
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
-    colors = plt.get_cmap("tab20")
-    drawn = False
-    for i, r in enumerate(x for x in results if x.ranked):
-        spent = mean_curve(client, r.run_ids, "compute/grad_samples")
-        for ax, split in zip(axes, ("val", "test")):
-            curve = mean_curve(client, r.run_ids, f"{split}/personalized/{metric}_mean")
-            steps = [s for s in curve if s in spent]
-            if steps:
-                ax.plot([spent[s] for s in steps], [curve[s] for s in steps], marker=".", color=colors(i % 20),
-                        label=r.method if split == "val" else None)
-                drawn = True
-    for ax, split in zip(axes, ("validation", "test")):
-        ax.set(xlabel="training compute (samples × forward-backward passes)", xscale="log", title=split,
-               ylabel=f"personalized {metric}, mean over clients")
-        ax.grid(alpha=0.3)
-    fig.suptitle(title)
-    _legend(fig, plt)
-    if drawn:
-        _save(fig, path)
-    plt.close(fig)
-    return drawn
+    spent_of: dict[str, dict[int, float]] = {}  # method -> its compute per round, read once for both panels
+
+    def lines(r, split):
+        if r.method not in spent_of:
+            spent_of[r.method] = mean_curve(client, r.run_ids, "compute/grad_samples")
+        spent = spent_of[r.method]
+        curve = mean_curve(client, r.run_ids, f"{split}/personalized/{metric}_mean")
+        return [(spent[s], v) for s, v in curve.items() if s in spent]
+
+    def style(ax, split):
+        ax.set(xlabel="training compute (samples × forward-backward passes)", xscale="log",
+               title={"val": "validation"}.get(split, split), ylabel=f"personalized {metric}, mean over clients")
+
+    return _two_panels(path, results, title, ("val", "test"), lines, style)
 
 
 def clients_png(path: Path, client, results: list[MethodResult], metric: str, title: str) -> bool:
