@@ -28,7 +28,7 @@ from flows.stage import prefect_api, stage_main
 from pfl_tasks.algorithms import build, validate_params
 from pfl_tasks.algorithms.learn2pfed import Cells
 from pfl_tasks.algorithms.learn2pfed_meta import (
-    communication, evaluate, make_optimizer, meta_epoch, padded_problem, participation,
+    costs, evaluate, make_optimizer, meta_epoch, padded_problem, participation,
 )
 from pfl_tasks.config import ConfigError, Learn2pFedConfig, ResolvedExperiment, config_hash, load_params
 from pfl_tasks.data import FederatedData, load_partition, partition_dir
@@ -183,8 +183,8 @@ def learn2pfed_flow(experiment: str, supervision: str, seed: int, params_path: s
 
         per_client = evaluate_clients(cells, cfg, problems)
         per_client = {"test": per_client}
-        final = final_metrics([{"round": cfg.meta.epochs, **summarize_eval(per_client)}], task_kind)
-        final.update(communication(problems.train, cfg.cells))
+        final = final_metrics([{"round": cfg.meta.epochs, **summarize_eval(per_client),
+                                **costs(problems.train, problems.supervise, cfg)}], task_kind)
         final.update({"meta/loss_first": history[0]["meta/loss"], "meta/loss_last": history[-1]["meta/loss"],
                       "meta/fit_loss_last": history[-1]["meta/fit_loss"]})
         lam = participation(cells)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pfl_tasks.algorithms.learn2pfed import Cells, Problem, inverse_positive, unroll
-from pfl_tasks.algorithms.learn2pfed_meta import meta_epoch
+from pfl_tasks.algorithms.learn2pfed_meta import costs, evaluate, meta_epoch
 from pfl_tasks.config import Learn2pFedConfig
 
 INIT = {"rho": 0.01, "eta": 0.01, "gamma": 0.01, "theta": 0.01, "lam": 0.001}
@@ -161,6 +161,35 @@ def test_meta_gradients_reach_every_parameter_and_meta_steps_reduce_the_loss(kin
     opt = torch.optim.Adam(cells.parameters(), lr=cfg.meta.lr)
     losses = [meta_epoch(cells, opt, cfg, epoch, problem, problem, w0)[0] for epoch in range(30)]
     assert losses[-1] < 0.9 * losses[0]
+
+
+def test_costs_count_every_row_the_meta_step_and_the_evaluation_read(monkeypatch):
+    """grad_samples per meta epoch = the fit rows read by the differentiated cells, twice (the
+    meta backward reads them again), plus the supervised rows of the meta loss; evaluation reads
+    the fit rows once per v-step. Counted here from the calls themselves."""
+    fit, supervise, test = (classification_problem(seed=s) for s in (0, 1, 2))
+    cfg = Learn2pFedConfig.model_validate({"cells": 2, "tied": False, "v_steps": 3, "meta": {"epochs": 4}})
+    reads = {id(fit): 0, id(supervise): 0, id(test): 0}
+    real_loss = Problem.per_client_loss
+
+    def counted(problem, v):
+        if v.requires_grad:
+            reads[id(problem)] += problem.mask.sum().item()
+        return real_loss(problem, v)
+
+    monkeypatch.setattr(Problem, "per_client_loss", counted)
+    cells = Cells(fit, cfg.cells, cfg.tied, cfg.init.model_dump(), torch.Generator().manual_seed(0))
+    w0 = torch.zeros(fit.dim, dtype=torch.float64)
+    meta_epoch(cells, torch.optim.SGD(cells.parameters(), lr=0.01), cfg, 0, fit, supervise, w0)
+    per_epoch = 2 * reads[id(fit)] + reads[id(supervise)]
+    reads[id(fit)] = 0
+    evaluate(cells, fit, test, w0, cfg)
+    total = costs(fit, supervise, cfg)
+    assert total["compute/grad_samples"] == cfg.meta.epochs * per_epoch > 0
+    assert total["compute/eval_grad_samples"] == reads[id(fit)] > 0
+    per_cell = fit.n_clients * fit.dim * 8  # float64
+    assert total["comm/bytes_down"] == (2 * cfg.meta.epochs + 1) * cfg.cells * per_cell
+    assert total["comm/bytes_up"] == total["comm/bytes_down"] + cfg.meta.epochs * fit.n_clients * 8
 
 
 def scarce_polynomial(n_points, n_clients, noise, seed, supervision="val"):

@@ -76,17 +76,23 @@ def evaluate(cells: Cells, train: Problem, test: Problem, w0: torch.Tensor,
     return out
 
 
-def communication(problem: Problem, cells: int) -> dict[str, float]:
-    """Bytes, all clients together, of the cells' float64 vectors: per cell each client uploads
-    v - z - alpha and downloads w (d each). A meta step runs every cell forward and backward
-    (the backward pass sends the gradients of the same vectors the other way), and each client
-    uploads its scalar loss."""
-    m, d, size = problem.n_clients, problem.dim, problem.x.element_size()
+def costs(fit: Problem, supervise: Problem, cfg: Learn2pFedConfig) -> dict[str, float]:
+    """The run's totals in the engine's units (`compute/grad_samples`: samples x passes; bytes of
+    all clients together), counted from the cells' float64 vectors. Per cell each client uploads
+    v - z - alpha and downloads w (d each); a meta step runs every cell forward and backward (the
+    backward sends the gradients of the same vectors the other way) and each client uploads its
+    scalar loss; the final evaluation runs the cells forward once. A classification cell reads the
+    client's fit rows once per v-step (a regression unroll once, for its Gram), the meta backward
+    reads them again, and the meta loss reads the supervised rows."""
+    m, d, size = fit.n_clients, fit.dim, fit.x.element_size()
     per_cell = m * d * size
+    fit_reads = (cfg.cells * cfg.v_steps if fit.n_classes else 1) * fit.mask.sum().item()
+    epochs = cfg.meta.epochs
     return {
-        "comm/bytes_up_per_cell": per_cell, "comm/bytes_down_per_cell": per_cell,
-        "comm/bytes_up_per_meta_step": 2 * cells * per_cell + m * size,
-        "comm/bytes_down_per_meta_step": 2 * cells * per_cell,
+        "compute/grad_samples": epochs * (2 * fit_reads + supervise.mask.sum().item()),
+        "compute/eval_grad_samples": fit_reads,
+        "comm/bytes_up": epochs * (2 * cfg.cells * per_cell + m * size) + cfg.cells * per_cell,
+        "comm/bytes_down": (2 * epochs + 1) * cfg.cells * per_cell,
     }
 
 
