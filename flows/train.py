@@ -260,7 +260,7 @@ def train_run(
                     evaluation = steps.evaluate(fed, done, state)
                     history.append({"round": done, **summarize_eval(evaluation.metrics), **spent,
                                     "compute/eval_grad_samples": evaluation.grad_samples,
-                                    "rounds/skipped": skipped})
+                                    "rounds/skipped": skipped, **fed.algorithm.round_metrics(state.server)})
                     tables["last"] = evaluation.metrics
                     if selected_index(history, data.task) == len(history) - 1:
                         tables["selected"] = evaluation.metrics

@@ -208,6 +208,8 @@ class CNNNet(Strict):
     kind: Literal["cnn"]
     channels: Annotated[list[PositiveInt], Field(min_length=1)] = [32, 64]
     hidden: PositiveInt = 128
+    kernel: PositiveInt = 3
+    padding: Annotated[int, Field(ge=0, strict=True)] = 1
 
 
 class LSTMNet(Strict):

@@ -36,8 +36,9 @@ def _cnn(cfg: CNNNet, feature_shape: tuple[int, ...], n_outputs: int) -> nn.Modu
     channels, side = feature_shape[0], min(feature_shape[1:])
     layers: list[nn.Module] = []
     for width in cfg.channels:
-        layers += [nn.Conv2d(channels, width, 3, padding=1), nn.ReLU()]
-        if side >= 4:  # pool while the map is large enough: 8x8 -> 2x2, 28x28 -> 7x7
+        layers += [nn.Conv2d(channels, width, cfg.kernel, padding=cfg.padding), nn.ReLU()]
+        side += 2 * cfg.padding - cfg.kernel + 1
+        if side >= 4:  # pool while the map is large enough: 8x8 -> 2x2, 28x28 -> 7x7 (or 4x4 unpadded 5x5)
             layers.append(nn.MaxPool2d(2))
             side //= 2
         channels = width

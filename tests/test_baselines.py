@@ -6,10 +6,12 @@ import torch
 from torch import nn
 
 from conftest import (
-    assert_rel_close, lsq_federation, pooled_least_squares, regression_data, split_from, tiny_params,
+    assert_rel_close, least_squares_clients, lsq_federation, pooled_least_squares, regression_data, split_from,
+    tiny_params,
 )
 from flows.train import InlineSteps, run_round
 from pfl_tasks.algorithms import build
+from pfl_tasks.algorithms.base import Facts
 from pfl_tasks.algorithms.federation import Federation
 from pfl_tasks.algorithms.lp_proj import projection
 from pfl_tasks.config import parse_params
@@ -55,7 +57,7 @@ def classification_data(random_labels=False, test_is_train=False, n_clients=4, s
 @pytest.mark.parametrize("executor", ["vectorized", "sequential"])
 def test_fedavg_ft_trains_as_fedavg_and_evaluates_hand_computed_fine_tuning(executor):
     steps, ft_lr = 3, 0.1
-    hp = {"ft_steps": steps, "ft_lr": ft_lr}
+    hp = {"ft_steps": steps, "ft_lr": ft_lr, "ft_epochs": 1}  # one stage: fine-tuned, or not
     xs, ys, fed, state = lsq_federation("fedavg_ft", hp, rounds=20, executor=executor)
     _, _, _, avg = lsq_federation("fedavg", rounds=20, executor=executor)
     theta = state.server["global"]["1.weight"][0]
@@ -77,13 +79,47 @@ def test_fedavg_ft_trains_as_fedavg_and_evaluates_hand_computed_fine_tuning(exec
 
 
 def test_fedprox_ft_trains_as_fedprox_and_long_fine_tuning_reaches_each_clients_optimum():
-    hp = {"mu": 0.5, "ft_steps": 400, "ft_lr": 0.1}
+    hp = {"mu": 0.5, "ft_steps": 400, "ft_lr": 0.1, "ft_epochs": 1}
     xs, ys, fed, state = lsq_federation("fedprox_ft", hp, rounds=10)
     _, _, _, prox = lsq_federation("fedprox", {"mu": 0.5}, rounds=10)
     assert torch.equal(state.server["global"]["1.weight"], prox.server["global"]["1.weight"])
     tuned, _, _ = fed.personalized_models(state, torch.arange(4))
     for k, (x, y) in enumerate(zip(xs, ys)):
         assert_rel_close(tuned["1.weight"][k, 0], pooled_least_squares([x], [y]))
+
+
+@pytest.mark.parametrize("executor", ["vectorized", "sequential"])
+def test_fine_tuning_budget_is_selected_per_client_on_validation(executor):
+    """Each client keeps the stage (0 = the global model, then 2 full-batch steps per stage) of
+    lowest validation MSE; clients 2 and 3 validate on flipped targets, so fine-tuning hurts them."""
+    xs, ys = least_squares_clients()
+    val_ys = [y if k < 2 else -y for k, y in enumerate(ys)]
+    data = FederatedData("lsq", "regression", 0, (3,), split_from(xs, ys), split_from(xs, val_ys),
+                         split_from(xs, ys), "lsq")
+    params = parse_params(tiny_params(
+        model={"kind": "linear", "bias": False}, federation={"rounds": 5},
+        local={"steps": 1, "batch_size": None, "optimizer": {"lr": 0.05}},
+    ))
+    exp = params.experiment("tiny").model_copy(
+        update={"engine": params.engine.model_copy(update={"executor": executor})})
+    fed = Federation(exp, build("fedavg_ft", {"ft_steps": 2, "ft_epochs": 4, "ft_lr": 0.05}), data)
+    state = fed.initial_state()
+    for r in range(5):
+        state = run_round(InlineSteps(1), fed, state, r)
+    tuned, _, _ = fed.personalized_models(state, torch.arange(4))
+    theta = state.server["global"]["1.weight"][0].double()
+    chosen = []
+    for k, (x, y, yv) in enumerate(zip(xs, ys, val_ys)):
+        x, y, yv = x.double(), y.double(), yv.double()
+        stages, w = [theta], theta
+        for _ in range(4 * 2):
+            w = w - 0.05 * 2 * x.T @ (x @ w - y) / len(y)
+            if len(stages) < 5 and _ % 2 == 1:
+                stages.append(w)
+        losses = torch.stack([((x @ m - yv) ** 2).mean() for m in stages])
+        chosen.append(int(losses.argmin()))
+        assert_rel_close(tuned["1.weight"][k, 0], stages[chosen[-1]], tol=1e-5)
+    assert chosen[:2] == [4, 4] and chosen[2] == 0  # the budget differs per client
 
 
 @pytest.mark.parametrize("algorithm", ["fedavg_ft", "fedprox_ft", "knnper", "cfl", "lp_proj"])
@@ -167,7 +203,7 @@ def signed_clients(signs, seed=0):
     return xs, [sign * x @ target for sign, x in zip(signs, xs)]
 
 
-CFL_HP = {"eps1": 0.02, "eps2": 0.1, "warmup_rounds": 0}
+CFL_HP = {"warmup_rounds": 0}  # the scale-free defaults otherwise
 
 
 @pytest.mark.parametrize("executor", ["vectorized", "sequential"])
@@ -193,31 +229,41 @@ def test_cfl_never_splits_identical_clients():
     assert_rel_close(state.server["models"]["1.weight"][0, 0], pooled_least_squares(xs, ys))
 
 
-@pytest.mark.parametrize("hp,senders,splits", [
-    ({}, [0, 1, 2, 3], True),
-    ({"eps1": 0.1}, [0, 1, 2, 3], False),  # mean update 0.15: not yet stationary
-    ({"eps2": 2.5}, [0, 1, 2, 3], False),  # largest update 2.0: every client near its optimum
-    ({"warmup_rounds": 1}, [0, 1, 2, 3], False),
-    ({}, [0, 1, 2], False),  # a member did not report
+OPPOSED = [[2.0, 0.1], [1.0, 0.0], [-2.0, 0.0], [-1.1, -0.1]]  # two groups pulling apart
+ORTHOGONAL = [[1.0, 0.0], [0.0, 1.0], [-1.0, 0.0], [0.0, -1.0]]  # a zero mean, but no two groups
+
+
+@pytest.mark.parametrize("hp,updates,senders,splits", [
+    ({}, OPPOSED, [0, 1, 2, 3], True),  # mean 0.15 = 0.075 x the largest, 2.0; cross similarity -0.996
+    ({"stationarity": 0.05}, OPPOSED, [0, 1, 2, 3], False),  # not yet stationary enough
+    ({"max_cross_similarity": -0.999}, OPPOSED, [0, 1, 2, 3], False),  # the halves not apart enough
+    ({}, ORTHOGONAL, [0, 1, 2, 3], False),  # any bipartition leaves orthogonal pairs across it
+    ({"warmup_rounds": 1}, OPPOSED, [0, 1, 2, 3], False),
+    ({}, OPPOSED, [0, 1, 2], False),  # a member did not report
 ])
-def test_cfl_round_by_hand(hp, senders, splits):
-    """Split when ||weighted mean dW|| < eps1 and max ||dW|| > eps2: the halves group the updates
-    that point the same way, and each half moves from the parent's model by its own mean."""
-    algorithm = build("cfl", {"eps1": 0.5, "eps2": 1.0, "warmup_rounds": 0, **hp})
-    algorithm.n_clients = 4
-    server = algorithm.init_server({"w": torch.tensor([1.0, 1.0])})
-    updates = torch.tensor([[2.0, 0.1], [1.0, 0.0], [-2.0, 0.0], [-1.1, -0.1]])[senders]
-    weights = torch.tensor([1.0, 3.0, 2.0, 2.0], dtype=torch.float64)[senders]
-    new = algorithm.aggregate(server, {"update": {"w": updates}, "id": torch.tensor(senders)}, weights)
-    groups = [[0, 1], [2, 3]] if splits else [senders]
-    assert int(new["n_clusters"]) == len(groups)
-    for group in groups:
-        rows = [senders.index(i) for i in group]
-        cluster = new["cluster"][group]
-        assert cluster.eq(cluster[0]).all()
-        step = weights[rows].float() @ updates[rows] / weights[rows].sum().float()
-        torch.testing.assert_close(new["models"]["w"][cluster[0]], torch.tensor([1.0, 1.0]) + step)
-    assert new["cluster"][0] != new["cluster"][2] if splits else new["cluster"].eq(0).all()
+def test_cfl_round_by_hand(hp, updates, senders, splits):
+    """Split when ||weighted mean dW|| <= stationarity x max ||dW|| and every update of one half
+    points away from every update of the other: the halves group the updates that point the
+    same way, and each half moves from the parent's model by its own mean. The scale-free test
+    gives the same answer for updates 1000 times smaller."""
+    for scale in (1.0, 1e-3):
+        algorithm = build("cfl", {"warmup_rounds": 0, **hp})
+        server = algorithm.init_server({"w": torch.tensor([1.0, 1.0])}, Facts(n_clients=4, local_steps=1))
+        ups = scale * torch.tensor(updates)[senders]
+        weights = torch.tensor([1.0, 3.0, 2.0, 2.0], dtype=torch.float64)[senders]
+        new = algorithm.aggregate(server, {"update": {"w": ups}}, weights, torch.tensor(senders))
+        groups = [[0, 1], [2, 3]] if splits else [senders]
+        assert int(new["n_clusters"]) == len(groups)
+        for group in groups:
+            rows = [senders.index(i) for i in group]
+            cluster = new["cluster"][group]
+            assert cluster.eq(cluster[0]).all()
+            step = weights[rows].float() @ ups[rows] / weights[rows].sum().float()
+            torch.testing.assert_close(new["models"]["w"][cluster[0]], torch.tensor([1.0, 1.0]) + step)
+        assert new["cluster"][0] != new["cluster"][2] if splits else new["cluster"].eq(0).all()
+        metrics = algorithm.round_metrics(new)
+        assert metrics["cfl/clusters"] == len(groups)
+        assert metrics["cfl/max_update_norm"] == pytest.approx(ups.norm(dim=1).max().item())
 
 
 # ----------------------------------------------------------------------------- lp-proj

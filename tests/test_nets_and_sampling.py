@@ -85,3 +85,18 @@ def test_sampling_by_fraction_and_count_is_seeded_without_replacement():
     assert len({tuple(d.tolist()) for d in draws}) > 10
     assert len(federation(clients_per_round=7).sample_clients(0)) == 7
     assert federation(participation=1.0).sample_clients(3).tolist() == list(range(10))
+
+
+def test_fmnist_experiments_use_pfllibs_fedavg_cnn():
+    """params-fmnist.yaml validates, and its CNN is PFLlib's FedAvgCNN: 5x5 unpadded convolutions
+    of 32 and 64 channels, each pooled, 1024 flattened features, dense 512 and 10."""
+    from pfl_tasks.algorithms import validate_params
+    from pfl_tasks.config import load_params
+    from pfl_tasks.nets import build_net
+
+    params = validate_params(load_params("params-fmnist.yaml"))
+    for name in ("fmnist-dir0.1", "fmnist-dir0.1-cpu"):
+        net = build_net(params.experiment(name).model, (1, 28, 28), 10)
+        dense = [m for m in net if isinstance(m, torch.nn.Linear)]
+        assert [(m.in_features, m.out_features) for m in dense] == [(1024, 512), (512, 10)]
+        assert sum(p.numel() for p in net.parameters()) == 582_026

@@ -6,15 +6,19 @@ seed eqs. (10)-(11)). Per local step (tau = the round's local budget, the synchr
     theta_k <- theta_k - eta grad f_k(theta_k)
     v_k     <- v_k - eta grad_v f_k(mix)      (= a_k grad f_k(mix), the gradient w.r.t. v_k)
     a_k     <- clip(a_k - eta_a <v_k - theta_k, grad f_k(mix)>, 0, 1)   if adaptive_alpha
-then theta_k is sent and the server averages them uniformly (seed: 1/#S).
-eta is the local optimizer's lr, or 16 / (mu (t + a)), a = max(128 kappa, tau), with
-`decay_mu` set (t counts the client's local steps over all rounds). The personalized model
+then theta_k is sent and the server averages them uniformly (seed: 1/#S). The theta and v
+steps are steps of the local optimizer (momentum, weight decay or Adam apply when configured),
+each with its own state, at lr eta: the configured one, or 16 / (mu (t + a)),
+a = max(128 kappa, tau), with `decay_mu` set (t counts the client's local steps over all rounds). The personalized model
 evaluated is the mixture a_k v_k + (1 - a_k) theta (a known peer bug evaluates v_k alone).
 With `average_iterates`, both views are the paper's final averages with weights
 p_t = (t + a)^2, taken once per round (t = rounds x tau, tau = local steps, or epochs when the
 budget is in epochs): the server keeps sum_t p_t theta_t, and each client catches up its own sum
 lazily when it next participates (or at evaluation), so the cost stays per sampled client.
-alpha = 0.25 is among the paper's settings.
+[choice] alpha adapts by default (the paper's eq. (10); "adaptive" is its name), from a_k = 0.5
+at the local lr (`alpha_lr`). A fixed alpha = 0.25, among the paper's settings, personalizes
+little: v_k's gradient is scaled by a_k and its weight in the mixture again, so the personal
+part learns 16 times slower than a Local-only model.
 """
 
 from __future__ import annotations
@@ -27,13 +31,14 @@ from torch.func import grad
 
 from pfl_tasks.algorithms.base import Algorithm, HyperParams
 from pfl_tasks.algorithms.registry import register
+from pfl_tasks.engine import optim
 from pfl_tasks.engine.state import broadcast, per_row, replicate
 
 
 class APFLHyper(HyperParams):
-    alpha: Annotated[float, Field(ge=0, le=1)] = 0.25
-    adaptive_alpha: bool = False
-    alpha_lr: Annotated[float, Field(gt=0)] = 0.01
+    alpha: Annotated[float, Field(ge=0, le=1)] = 0.5  # the initial a_k when adaptive
+    adaptive_alpha: bool = True
+    alpha_lr: Annotated[float, Field(gt=0)] | None = None  # None: the local optimizer's lr
     decay_mu: Annotated[float, Field(gt=0)] | None = None
     decay_kappa: Annotated[float, Field(gt=0)] = 1.0
     average_iterates: bool = False
@@ -49,11 +54,12 @@ class APFL(Algorithm):
     citation = "Deng et al., arXiv:2003.13461"
     Hyper = APFLHyper
 
-    def init_server(self, params):
+    def init_server(self, params, facts):
         server = {"global": params}
         if self.hp.average_iterates:
             zeros = {k: torch.zeros_like(v) for k, v in params.items()}
-            server.update(round=torch.zeros(()), weight_sum=torch.zeros(()), global_sum=zeros)
+            server.update(round=torch.zeros(()), weight_sum=torch.zeros(()), global_sum=zeros,
+                          local_steps=torch.tensor(facts.local_steps))
         return server
 
     def init_clients(self, params, n_clients):
@@ -71,15 +77,14 @@ class APFL(Algorithm):
     def payload(self, server):
         return {k: server[k] for k in ("global", "weight_sum", "global_sum") if k in server}
 
-    @property
-    def offset(self) -> float:
-        """a = max(128 kappa, tau)."""
-        return max(128 * self.hp.decay_kappa, self.tau)
+    def offset(self, tau: int) -> float:
+        """a = max(128 kappa, tau), tau the local steps per round."""
+        return max(128 * self.hp.decay_kappa, tau)
 
-    def step_size(self, local_lr, steps_done):
+    def step_size(self, local_lr, steps_done, tau: int):
         if self.hp.decay_mu is None:
             return local_lr
-        return 16 / (self.hp.decay_mu * (steps_done + self.offset))
+        return 16 / (self.hp.decay_mu * (steps_done + self.offset(tau)))
 
     def catch_up(self, state, weight_sum, global_sum):
         """Each client's sum_t p_t mix_t through the rounds it has not yet counted."""
@@ -94,6 +99,7 @@ class APFL(Algorithm):
 
     def client_update(self, trainer, payload, state):
         hp, local = self.hp, trainer.local
+        cfg, alpha_lr = local.optimizer, hp.alpha_lr or local.optimizer.lr
         if hp.average_iterates:
             k = len(trainer.client_ids)
             state = {**state, "mix_sum": self.catch_up(state, payload["weight_sum"], payload["global_sum"]),
@@ -102,32 +108,32 @@ class APFL(Algorithm):
 
         def step(carry, data_loss, aux, batch):
             theta, v, alpha = carry["theta"], carry["local"], carry["alpha"]
-            eta = self.step_size(local.optimizer.lr, carry["steps_done"])
+            eta = self.step_size(cfg.lr, carry["steps_done"], local.steps or local.epochs)
             g_mix = grad(data_loss)(mixture(alpha, v, theta))
             g_theta = grad(data_loss)(theta)
             if hp.adaptive_alpha:
                 inner = sum(((v[k] - theta[k]) * g_mix[k]).sum() for k in v)
-                alpha = torch.clamp(alpha - hp.alpha_lr * inner, 0.0, 1.0)
-            return {
-                "theta": {k: theta[k] - eta * g_theta[k] for k in theta},
-                "local": {k: v[k] - eta * carry["alpha"] * g_mix[k] for k in v},
-                "alpha": alpha,
-                "steps_done": carry["steps_done"] + 1,
-            }
+                alpha = torch.clamp(alpha - alpha_lr * inner, 0.0, 1.0)
+            theta, opt_theta = optim.apply(cfg, theta, g_theta, carry["opt_theta"], eta)
+            v, opt_local = optim.apply(cfg, v, {k: carry["alpha"] * g_mix[k] for k in v}, carry["opt_local"], eta)
+            return {"theta": theta, "local": v, "alpha": alpha, "steps_done": carry["steps_done"] + 1,
+                    "opt_theta": opt_theta, "opt_local": opt_local}
 
         trained = ("local", "alpha", "steps_done")
-        start = {"theta": broadcast(payload["global"], len(trainer.client_ids)), **{k: state[k] for k in trained}}
+        received = broadcast(payload["global"], len(trainer.client_ids))
+        start = {"theta": received, **{k: state[k] for k in trained},
+                 "opt_theta": optim.start(cfg, received), "opt_local": optim.start(cfg, state["local"])}
         out = trainer.scan(start, step)
-        return {"params": out.pop("theta")}, {**state, **out}
+        return {"params": out["theta"]}, {**state, **{k: out[k] for k in trained}}
 
-    def aggregate(self, server, messages, weights):
+    def aggregate(self, server, messages, weights, ids):
         theta = {k: v.mean(0) for k, v in messages["params"].items()}
         if not self.hp.average_iterates:
             return {"global": theta}
-        r = server["round"] + 1
-        p = (r * self.tau + self.offset) ** 2
+        r, tau = server["round"] + 1, int(server["local_steps"])
+        p = (r * tau + self.offset(tau)) ** 2
         return {
-            "global": theta, "round": r, "weight_sum": server["weight_sum"] + p,
+            **server, "global": theta, "round": r, "weight_sum": server["weight_sum"] + p,
             "global_sum": {k: server["global_sum"][k] + p * v for k, v in theta.items()},
         }
 

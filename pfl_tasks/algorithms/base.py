@@ -1,10 +1,13 @@
 """The small surface every algorithm presents (in the spirit of Flower's `Strategy`).
 
-Per round the engine calls, in order:
+Once, `init_server(params, facts)` with the federation's `Facts`; per round the engine calls,
+in order:
   payload(server)                       -> what the server broadcasts to sampled clients
   download(payload, ids)                -> (shared, per-client rows) that each chunk receives
   client_update(trainer, payload, state) -> (message up the wire [K, ...], new client state [K, ...])
-  aggregate(server, messages, weights)  -> new server state (the algorithm's own rule)
+  aggregate(server, messages, weights, ids)
+                                        -> new server state (the algorithm's own rule), from
+                                           the messages of clients `ids`
 and for evaluation of every client:
   personalized(server, state)           -> the model each client uses
   personalize(trainer, server, state, val_loss)
@@ -13,6 +16,8 @@ and for evaluation of every client:
                                            and select on `val_loss`)
   forward(net, params, x)               -> the evaluation forward pass of that personalized view
   global_model(server, clients)         -> the shared model, or None if there is none
+  forward_global(net, params, x)        -> its evaluation forward pass
+  round_metrics(server)                 -> diagnostics logged with each evaluation
 Server state is a tree of tensors; client state is a tree of stacks with one row per client.
 A client that is not sampled, or drops out (`federation.dropout`), takes no part in the round:
 its rows of the client state (personal model, control variates, cluster, ...) stay as they were,
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
@@ -56,6 +62,15 @@ class PersonalModels:
         return state["personal"], True
 
 
+@dataclass(frozen=True)
+class Facts:
+    """What the server knows of its federation before the first round."""
+
+    n_clients: int
+    local_steps: int  # per round (epochs when the budget is in epochs): the synchronization gap
+    seed: int = 0  # of the run, for server-side initialization
+
+
 class HyperParams(BaseModel):
     # strict: a boolean or string is no number; non-finite values are refused
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
@@ -68,13 +83,11 @@ class Algorithm(ABC):
 
     # True: every round needs every client's message (no sampling, no dropout)
     full_participation: ClassVar[bool] = False
-    n_clients: int = 0  # set by the engine before the first round
-    tau: int = 1  # local steps per round (epochs when the budget is in epochs), set likewise
 
     def __init__(self, hp: HyperParams):
         self.hp = hp
 
-    def init_server(self, params: Params) -> Tree:
+    def init_server(self, params: Params, facts: Facts) -> Tree:
         return {"global": params}
 
     def init_clients(self, params: Params, n_clients: int) -> Tree:
@@ -93,8 +106,9 @@ class Algorithm(ABC):
         """Local work of a chunk of K clients; `state` rows and the returned trees are [K, ...]."""
 
     @abstractmethod
-    def aggregate(self, server: Tree, messages: Tree, weights: torch.Tensor) -> Tree:
-        """Server rule; `weights` are the senders' training-sample counts."""
+    def aggregate(self, server: Tree, messages: Tree, weights: torch.Tensor, ids: torch.Tensor) -> Tree:
+        """Server rule; `messages` rows, `weights` (training-sample counts) and `ids` [S] are the
+        senders', in the same order."""
 
     def personalized(self, server: Tree, state: Tree) -> tuple[Params, bool]:
         """(params, stacked): a stack [K, ...] of per-client models, or one shared model."""
@@ -111,6 +125,15 @@ class Algorithm(ABC):
         """One client's evaluation outputs for the personalized view (logits or log-probabilities,
         or predictions); `params` is that client's slice of what `personalize` returned."""
         return functional_call(net, params, (x,))
+
+    def forward_global(self, net: nn.Module, params: Tree, x: torch.Tensor) -> torch.Tensor:
+        """The evaluation forward pass of the `global_model` view."""
+        return functional_call(net, params, (x,))
+
+    def round_metrics(self, server: Tree) -> dict[str, float]:
+        """The algorithm's own diagnostics of the last round (e.g. CFL's update norms), logged
+        with each evaluation."""
+        return {}
 
     def global_model(self, server: Tree, clients: Tree) -> Params | None:
         """`clients` is every client's state, for views a simulator can form for evaluation

@@ -33,7 +33,7 @@ class FedAvg(Algorithm):
         trained = trainer.fit(start, self.objective(), aux=start)
         return {"params": trained}, state
 
-    def aggregate(self, server, messages, weights):
+    def aggregate(self, server, messages, weights, ids):
         if self.hp.weighting == "uniform":
             weights = weights.new_ones(weights.shape)
         return {**server, "global": weighted_mean(messages["params"], weights)}

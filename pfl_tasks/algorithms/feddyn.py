@@ -31,8 +31,9 @@ class FedDyn(Algorithm):
     citation = "Acar et al., ICLR 2021"
     Hyper = FedDynHyper
 
-    def init_server(self, params):
-        return {"global": params, "h": {k: torch.zeros_like(v) for k, v in params.items()}}
+    def init_server(self, params, facts):
+        return {"global": params, "h": {k: torch.zeros_like(v) for k, v in params.items()},
+                "n_clients": torch.tensor(facts.n_clients)}
 
     def init_clients(self, params, n_clients):
         return {"grad": replicate({k: torch.zeros_like(v) for k, v in params.items()}, n_clients)}
@@ -48,9 +49,9 @@ class FedDyn(Algorithm):
         grad = tree_zip(lambda g, t, a: g - self.hp.alpha * (t - a), state["grad"], theta, anchor)
         return {"params": theta}, {"grad": grad}
 
-    def aggregate(self, server, messages, weights):
+    def aggregate(self, server, messages, weights, ids):
         theta, alpha = server["global"], self.hp.alpha
         drift = {k: (messages["params"][k] - theta[k]).sum(0) for k in theta}
-        h = {k: server["h"][k] - alpha / self.n_clients * drift[k] for k in theta}
+        h = {k: server["h"][k] - alpha / int(server["n_clients"]) * drift[k] for k in theta}
         mean = {k: messages["params"][k].mean(0) for k in theta}
-        return {"global": {k: mean[k] - h[k] / alpha for k in theta}, "h": h}
+        return {"global": {k: mean[k] - h[k] / alpha for k in theta}, "h": h, "n_clients": server["n_clients"]}

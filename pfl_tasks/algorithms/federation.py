@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pfl_tasks.algorithms.base import Algorithm
+from pfl_tasks.algorithms.base import Algorithm, Facts
 from pfl_tasks.config import ConfigError, ResolvedExperiment
 from pfl_tasks.data import FederatedData
 from pfl_tasks.engine.evaluate import evaluate_clients
@@ -65,8 +65,7 @@ class Federation:
             key = "dropout" if fed.dropout else "clients_per_round" if fed.clients_per_round else "participation"
             raise ConfigError(f"{where}.{key}: {algorithm.name} needs every client every round "
                               "(its server rule averages all of them)")
-        algorithm.n_clients = data.n_clients
-        algorithm.tau = exp.local.steps or exp.local.epochs
+        self.facts = Facts(data.n_clients, exp.local.steps or exp.local.epochs, exp.seed)
         self.device = resolve_device(exp.engine.device)
         self.task = data.task
         self.train = _split_to(data.train, self.device)
@@ -82,7 +81,7 @@ class Federation:
 
     def initial_state(self) -> RunState:
         params = init_params(self.net, self.exp.seed)
-        server = to_device(self.algorithm.init_server(params), self.device)
+        server = to_device(self.algorithm.init_server(params, self.facts), self.device)
         clients = tree_map(lambda t: t.cpu(), self.algorithm.init_clients(params, self.n_clients))
         return RunState(0, server, clients)
 
@@ -120,8 +119,8 @@ class Federation:
     def aggregate(self, state: RunState, results: list[ChunkResult]) -> RunState:
         ids = torch.cat([r.ids for r in results])
         messages = concat([r.messages for r in results])
-        weights = self.train.counts[ids.to(self.device)].to(torch.float64)
-        server = self.algorithm.aggregate(state.server, messages, weights)
+        on_device = ids.to(self.device)
+        server = self.algorithm.aggregate(state.server, messages, self.train.counts[on_device].to(torch.float64), on_device)
         clients = state.clients
         if clients:
             clients = scatter_(clients, ids, concat([r.clients for r in results]))
@@ -143,7 +142,8 @@ class Federation:
                 personal = self._eval(split, ids, params, stacked, self.algorithm.forward)
                 parts["personalized"].append(personal)
                 if shared is not None:  # no personalization (e.g. FedAvg): the same numbers
-                    parts["global"].append(personal if params is view else self._eval(split, ids, shared, False))
+                    parts["global"].append(personal if params is view else
+                                           self._eval(split, ids, shared, False, self.algorithm.forward_global))
         metrics = {split: {kind: concat(p) for kind, p in parts.items() if p} for split, parts in out.items()}
         return Evaluation(metrics, grad_samples)
 
@@ -159,7 +159,8 @@ class Federation:
         chunk = to_device(gather(state.clients, ids), self.device)
 
         def val_loss(params: Tree, stacked: bool, forward) -> torch.Tensor:
-            return self._eval("val", ids, params, stacked, forward)["loss"]
+            metrics = self._eval("val", ids, params, stacked, forward)
+            return metrics["loss" if self.task == "classification" else "mse"]
 
         params, stacked = self.algorithm.personalize(trainer, state.server, chunk, val_loss)
         return params, stacked, trainer.grad_samples

@@ -21,7 +21,7 @@ class FedPer(Algorithm):
     citation = "Arivazhagan et al., arXiv:1912.00818"
     Hyper = FedAvgHyper
 
-    def init_server(self, params):
+    def init_server(self, params, facts):
         head = head_keys(params)
         return {"body": {k: v for k, v in params.items() if k not in head}}
 
@@ -43,7 +43,7 @@ class FedPer(Algorithm):
         body = {k: v for k, v in trained.items() if k not in state["head"]}
         return {"body": body}, {"head": {k: trained[k] for k in state["head"]}}
 
-    def aggregate(self, server, messages, weights):
+    def aggregate(self, server, messages, weights, ids):
         if self.hp.weighting == "uniform":
             weights = weights.new_ones(weights.shape)
         return {"body": weighted_mean(messages["body"], weights)}

@@ -3,7 +3,7 @@
 Yu et al., "Clustered Federated Learning based on Nonconvex Pairwise Fusion", arXiv:2211.04218
 (seed eq. (19) and pseudocode). Each sampled client i runs its local budget on
     f_i(w) + rho/2 ||w - zeta_i||^2,   starting from its own last model omega_i,
-and sends omega_i (with its id). For every pair i < j of senders the server sets
+and sends omega_i. For every pair i < j of senders the server sets
     delta = omega_i - omega_j + v_ij / rho,  theta_ij = prox(delta),  v_ij += rho (omega_i - omega_j - theta_ij)
 and for every client zeta_i = 1/m sum_j (omega_j + theta_ij - v_ij / rho) (theta_ji = -theta_ij).
 Clients i, j share a cluster when ||theta_ij|| ~ 0; the number of clusters is never given.
@@ -55,14 +55,18 @@ def fusion_prox(norm: torch.Tensor, hp: FPFCHyper) -> torch.Tensor:
     )
 
 
+def client_count(server) -> int:
+    return len(next(iter(server["omega"].values())))  # a row per client
+
+
 @register
 class FPFC(Algorithm):
     name = "fpfc"
     citation = "Yu et al., arXiv:2211.04218"
     Hyper = FPFCHyper
 
-    def init_server(self, params):
-        m = self.n_clients
+    def init_server(self, params, facts):
+        m = facts.n_clients
         pairs = torch.triu_indices(m, m, offset=1)
         zeros = {k: torch.zeros(pairs.shape[1], *v.shape) for k, v in params.items()}
         return {
@@ -81,16 +85,16 @@ class FPFC(Algorithm):
 
     def client_update(self, trainer, payload, state):
         omega = trainer.fit(state["params"], proximal(self.hp.rho), aux=payload["zeta"])
-        return {"params": omega, "id": trainer.client_ids.to(torch.float64)}, {"params": omega}
+        return {"params": omega}, {"params": omega}
 
-    def aggregate(self, server, messages, weights):
+    def aggregate(self, server, messages, weights, ids):
         rho, pairs = self.hp.rho, server["pairs"]
-        ids = messages["id"].long()
         omega = {k: v.clone() for k, v in server["omega"].items()}
         for k in omega:
             omega[k][ids] = messages["params"][k]
-        active = torch.zeros(self.n_clients, dtype=torch.bool, device=ids.device)
-        active[ids] = True
+        m = client_count(server)
+        active = torch.zeros(m, dtype=torch.bool, device=pairs.device)
+        active[ids.to(pairs.device)] = True
         live = active[pairs[0]] & active[pairs[1]]
         i, j = pairs[0][live], pairs[1][live]
         delta = {k: omega[k][i] - omega[k][j] + server["dual"][k][live] / rho for k in omega}
@@ -107,7 +111,7 @@ class FPFC(Algorithm):
         for k, w in omega.items():
             corr = theta[k] - dual[k] / rho
             push = torch.zeros_like(w).index_add_(0, pairs[0], corr).index_add_(0, pairs[1], -corr)
-            zeta[k] = w.mean(0, keepdim=True) + push / self.n_clients
+            zeta[k] = w.mean(0, keepdim=True) + push / m
         return {"omega": omega, "zeta": zeta, "theta": theta, "dual": dual, "pairs": pairs}
 
     def personalized(self, server, state):
@@ -120,7 +124,7 @@ class FPFC(Algorithm):
         """Cluster label of each client: connected components of ||theta_ij|| < tol."""
         pairs = server["pairs"]
         norm = torch.sqrt(sum((t.flatten(1) ** 2).sum(1) for t in server["theta"].values()))
-        labels = torch.arange(self.n_clients)
+        labels = torch.arange(client_count(server))
         for i, j in pairs.cpu()[:, norm.cpu() < tol].T.tolist():  # union by relabeling
             labels[labels == labels[j]] = labels[i].item()
         return torch.unique(labels, return_inverse=True)[1]

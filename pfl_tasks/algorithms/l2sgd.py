@@ -42,8 +42,8 @@ class L2SGD(Algorithm):
     Hyper = L2SGDHyper
     full_participation = True
 
-    def init_server(self, params):
-        return {"mean": params, "pending": torch.zeros(())}
+    def init_server(self, params, facts):
+        return {"mean": params, "pending": torch.zeros(()), "n_clients": torch.tensor(facts.n_clients)}
 
     def init_clients(self, params, n_clients):
         return {"params": replicate(params, n_clients)}
@@ -52,24 +52,24 @@ class L2SGD(Algorithm):
         return server
 
     def averaging_step(self, params, server):
-        shrink = self.hp.lr * self.hp.lam / (self.n_clients * self.hp.p) * server["pending"]
+        shrink = self.hp.lr * self.hp.lam / (int(server["n_clients"]) * self.hp.p) * server["pending"]
         return {k: v - shrink * (v - server["mean"][k]) for k, v in params.items()}
 
     def client_update(self, trainer, payload, state):
         params = self.averaging_step(state["params"], payload)
         if communicates(trainer.seed, trainer.round_idx, self.hp.p):
             return {"params": params}, {"params": params}
-        step = self.hp.lr / (self.n_clients * (1 - self.hp.p))
+        step = self.hp.lr / (int(payload["n_clients"]) * (1 - self.hp.p))
         one_step = trainer.local.model_copy(
             update={"steps": 1, "epochs": None, "optimizer": OptimizerConfig(name="sgd", lr=step)}
         )
         return {}, {"params": trainer.fit(params, local=one_step)}
 
-    def aggregate(self, server, messages, weights):
+    def aggregate(self, server, messages, weights, ids):
         if not messages:
-            return {"mean": server["mean"], "pending": torch.zeros_like(server["pending"])}
+            return {**server, "pending": torch.zeros_like(server["pending"])}
         mean = {k: v.mean(0) for k, v in messages["params"].items()}
-        return {"mean": mean, "pending": torch.ones_like(server["pending"])}
+        return {**server, "mean": mean, "pending": torch.ones_like(server["pending"])}
 
     def personalized(self, server, state):
         return self.averaging_step(state["params"], server), True

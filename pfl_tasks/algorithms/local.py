@@ -15,7 +15,7 @@ class LocalOnly(Algorithm):
     name = "local"
     citation = "baseline: independent training per client"
 
-    def init_server(self, params):
+    def init_server(self, params, facts):
         return {}
 
     def init_clients(self, params, n_clients):
@@ -27,7 +27,7 @@ class LocalOnly(Algorithm):
     def client_update(self, trainer, payload, state):
         return {}, {"params": trainer.fit(state["params"])}
 
-    def aggregate(self, server, messages, weights):
+    def aggregate(self, server, messages, weights, ids):
         return server
 
     def personalized(self, server, state):

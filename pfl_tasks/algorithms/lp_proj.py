@@ -72,7 +72,7 @@ class LpProj(PersonalModels, Algorithm):
     citation = "Lin et al., NeurIPS 2022"
     Hyper = LpProjHyper
 
-    def init_server(self, params):
+    def init_server(self, params, facts):
         size = sum(v.numel() for v in params.values())
         if self.hp.dim >= size:
             raise ValueError(f"lp_proj: dim={self.hp.dim} must be below the model's {size} parameters "
@@ -92,7 +92,7 @@ class LpProj(PersonalModels, Algorithm):
             w = w - hp.lr * hp.lam * (w - flatten(personal, 1) @ proj.T)
         return {"w": w}, {"personal": personal}
 
-    def aggregate(self, server, messages, weights):
+    def aggregate(self, server, messages, weights, ids):
         return {"w": messages["w"].mean(0)}
 
     def global_model(self, server, clients):

@@ -2,14 +2,26 @@
 
 Li et al., "Personalized Federated Learning via Maximizing Correlation with Sparse and
 Hierarchical Extensions", arXiv:2107.05330 (seed eqs. (16)-(18) and ClientUpdate). Client k
-starts theta_k = theta and, for each local step on a fresh minibatch D:
+starts theta_k = theta, the received model, and for each local step on a fresh minibatch D:
     omega_k <- argmin_w l_k(w; D) - lam <w, theta_k> + gamma ||w||_1
-               (`inner_steps` proximal-gradient steps with `personal_lr`, warm-started;
-                the l1 part by soft-thresholding, so gamma > 0 gives exact zeros)
-    theta_k <- theta_k - eta lam (theta_k - omega_k)         (eta: the local optimizer's lr)
-and sends theta_k; the server smooths theta <- (1 - beta) theta + beta mean_k theta_k.
-[choice] Defaults lam = 0.1, beta = 1, 5 inner steps at lr 0.01, gamma = 0: the seed gives
-no values; set them per experiment.
+    theta_k <- theta_k - eta lam (theta_k - omega_k)
+(a step of the local optimizer, of lr eta, on lam (theta_k - omega_k): momentum, weight decay or
+Adam, when configured, apply to it), and sends theta_k; the server smooths
+theta <- (1 - beta) theta + beta mean_k theta_k. The personalized model is omega_k from the
+client's last round.
+[choice] The argmin is `inner_steps` proximal-gradient steps with `personal_lr` (the l1 part by
+soft-thresholding, so gamma > 0 gives exact zeros), warm-started at the client's last omega_k,
+also across rounds, where the seed restarts omega_k at theta. For cross-entropy the inner
+problem has no minimizer (the linear term is unbounded below along theta_k), so the step count
+is part of the method, not an approximation of it: omega_k moves at most
+inner_steps x personal_lr x (||grad l_k|| + lam ||theta_k||) per local step. Restarted at theta
+each round, omega_k would be those few steps away from the global model: on 2-class digits
+clients it scored 0.71 against Local's 0.98; carried over, it is a personal model pulled by
+its correlation with theta. The price: each inner step also moves omega_k by
+personal_lr x lam x theta_k, which accumulates over rounds, so long runs drift towards the
+global model's direction (Synthetic at lr 0.5: best at round 60, near chance by round 500; the
+round selected on validation is the early peak).
+Defaults lam = 0.1, beta = 1, 5 inner steps at lr 0.01, gamma = 0: the seed gives no values.
 """
 
 from __future__ import annotations
@@ -23,6 +35,7 @@ from torch.func import grad
 from pfl_tasks.algorithms.base import HyperParams
 from pfl_tasks.algorithms.pfedme import PFedMe
 from pfl_tasks.algorithms.registry import register
+from pfl_tasks.engine import optim
 from pfl_tasks.engine.state import broadcast
 
 
@@ -47,7 +60,7 @@ class PFedMac(PFedMe):
     Hyper = PFedMacHyper
 
     def client_update(self, trainer, payload, state):
-        hp, eta = self.hp, trainer.local.optimizer.lr
+        hp, cfg = self.hp, trainer.local.optimizer
 
         def step(carry, data_loss, aux, batch):
             theta, omega = carry["theta"], carry["personal"]
@@ -61,9 +74,10 @@ class PFedMac(PFedMe):
                     k: soft_threshold(omega[k] - hp.personal_lr * g[k], hp.personal_lr * hp.gamma)
                     for k in omega
                 }
-            theta = {k: theta[k] - eta * hp.lam * (theta[k] - omega[k]) for k in theta}
-            return {"theta": theta, "personal": omega}
+            pull = {k: hp.lam * (theta[k] - omega[k]) for k in theta}
+            theta, opt = optim.apply(cfg, theta, pull, carry["opt"])
+            return {"theta": theta, "personal": omega, "opt": opt}
 
-        start = {"theta": broadcast(payload["global"], len(trainer.client_ids)), "personal": state["personal"]}
-        out = trainer.scan(start, step)
+        received = broadcast(payload["global"], len(trainer.client_ids))
+        out = trainer.scan({"theta": received, "personal": state["personal"], "opt": optim.start(cfg, received)}, step)
         return {"params": out["theta"]}, {"personal": out["personal"]}

@@ -1,13 +1,19 @@
 """pFedMe: personalized models as Moreau-envelope proximal points of the global model.
 
 Dinh, Tran, Nguyen, "Personalized Federated Learning with Moreau Envelopes", NeurIPS 2020
-(Algorithm 1; seed eqs. (3)-(7)). Client k copies omega_k = theta and, for each of its R local
-steps (the round's local budget), on a fresh minibatch b_r:
+(Algorithm 1; seed eqs. (3)-(7)). Client k starts omega_k = theta_k = theta, the received global
+model (as in the authors' code, which loads the global model into both each round), and for
+each of its R local steps (the round's local budget), on a fresh minibatch b_r:
     theta_k <- prox_update(omega_k; b_r): `inner_steps` GD steps with `personal_lr` on
                l_k(theta_k; b_r) + lam/2 ||theta_k - omega_k||^2, warm-started at theta_k
-    omega_k <- omega_k - eta lam (omega_k - theta_k)          (eta: the local optimizer's lr)
-and sends omega_k; the server smooths theta <- (1 - beta) theta + beta mean_k omega_k.
-Defaults are the paper's: lam = 15, K = 5 inner steps, personal lr 0.01, beta = 1.
+    omega_k <- omega_k - eta lam (omega_k - theta_k)
+(a step of the local optimizer, of lr eta, on the Moreau envelope's gradient lam (omega_k -
+theta_k): with momentum, weight decay or Adam configured, those apply to it), and sends
+omega_k; the server smooths theta <- (1 - beta) theta + beta mean_k omega_k. The personalized
+model is theta_k from the client's last round.
+Defaults are the authors' for MNIST: lam = 15, K = 5 inner steps, personal lr 0.1, beta = 1 (their
+Synthetic runs use personal lr 0.01); their outer lr there, 0.005, is the experiment's
+`local.optimizer.lr` here.
 """
 
 from __future__ import annotations
@@ -19,13 +25,14 @@ from torch.func import grad
 
 from pfl_tasks.algorithms.base import Algorithm, HyperParams, PersonalModels, proximal
 from pfl_tasks.algorithms.registry import register
+from pfl_tasks.engine import optim
 from pfl_tasks.engine.state import broadcast
 
 
 class PFedMeHyper(HyperParams):
     lam: Annotated[float, Field(gt=0)] = 15.0
     inner_steps: Annotated[int, Field(gt=0)] = 5
-    personal_lr: Annotated[float, Field(gt=0)] = 0.01
+    personal_lr: Annotated[float, Field(gt=0)] = 0.1
     beta: Annotated[float, Field(gt=0)] = 1.0
 
 
@@ -41,7 +48,7 @@ class PFedMe(PersonalModels, Algorithm):
     Hyper = PFedMeHyper
 
     def client_update(self, trainer, payload, state):
-        hp, eta = self.hp, trainer.local.optimizer.lr
+        hp, cfg = self.hp, trainer.local.optimizer
         prox = proximal(hp.lam)
 
         def step(carry, data_loss, aux, batch):
@@ -49,12 +56,13 @@ class PFedMe(PersonalModels, Algorithm):
             for _ in range(hp.inner_steps):
                 g = grad(lambda p: prox(data_loss, p, omega))(theta)
                 theta = {k: theta[k] - hp.personal_lr * g[k] for k in theta}
-            omega = {k: omega[k] - eta * hp.lam * (omega[k] - theta[k]) for k in omega}
-            return {"omega": omega, "personal": theta}
+            envelope_grad = {k: hp.lam * (omega[k] - theta[k]) for k in omega}
+            omega, opt = optim.apply(cfg, omega, envelope_grad, carry["opt"])
+            return {"omega": omega, "personal": theta, "opt": opt}
 
-        start = {"omega": broadcast(payload["global"], len(trainer.client_ids)), "personal": state["personal"]}
-        out = trainer.scan(start, step)
+        received = broadcast(payload["global"], len(trainer.client_ids))
+        out = trainer.scan({"omega": received, "personal": received, "opt": optim.start(cfg, received)}, step)
         return {"params": out["omega"]}, {"personal": out["personal"]}
 
-    def aggregate(self, server, messages, weights):
+    def aggregate(self, server, messages, weights, ids):
         return {"global": smooth(server["global"], messages["params"], self.hp.beta)}

@@ -2,6 +2,9 @@
 
 `step` takes an `active` mask of shape [K] (or a scalar, or None when every client steps):
 clients whose local budget is spent keep their parameters and optimizer state unchanged.
+Algorithms that write their own local steps inside `LocalTrainer.scan` carry one client's
+optimizer as `start(cfg, params)` and apply it with `apply`, so the configured optimizer
+(momentum, weight decay, Adam) drives their steps too.
 """
 
 from __future__ import annotations
@@ -28,10 +31,13 @@ def step(
     params: Params,
     grads: Params,
     state: dict[str, Params],
-    step_index: int,
+    step_index: int | torch.Tensor,
     active: torch.Tensor | None,
+    lr: float | torch.Tensor | None = None,
 ) -> tuple[Params, dict[str, Params]]:
-    """One optimizer step (`step_index` counts from 0) for every client where `active`."""
+    """One optimizer step (`step_index` counts from 0) for every client where `active`, at
+    `lr` (default: the configured one; a tensor for step-size schedules)."""
+    lr = cfg.lr if lr is None else lr
     new_params, new_state = {}, {key: {} for key in state}
     for name, p in params.items():
         g = grads[name]
@@ -43,7 +49,7 @@ def step(
             v = b2 * state["exp_avg_sq"][name] + (1 - b2) * g * g
             t = step_index + 1
             denom = (v.sqrt() / (1 - b2**t) ** 0.5) + cfg.eps
-            update = (cfg.lr / (1 - b1**t)) * m / denom
+            update = (lr / (1 - b1**t)) * m / denom
             new_state["exp_avg"][name] = where_active(active, m, state["exp_avg"][name])
             new_state["exp_avg_sq"][name] = where_active(active, v, state["exp_avg_sq"][name])
         else:
@@ -51,9 +57,23 @@ def step(
                 buf = cfg.momentum * state["momentum"][name] + g
                 new_state["momentum"][name] = where_active(active, buf, state["momentum"][name])
                 g = buf
-            update = cfg.lr * g
+            update = lr * g
         new_params[name] = where_active(active, p - update, p)
     return new_params, new_state
+
+
+def start(cfg: OptimizerConfig, params: Params) -> dict:
+    """The optimizers of a chunk's clients over stacked `params` [K, ...], as a `scan` carry:
+    their state and step counts."""
+    first = next(iter(params.values()))
+    return {"state": init_state(cfg, params), "t": torch.zeros(len(first), device=first.device)}
+
+
+def apply(cfg: OptimizerConfig, params: Params, grads: Params, carry: dict,
+          lr: float | torch.Tensor | None = None) -> tuple[Params, dict]:
+    """`step` inside a `scan` step, where `carry` (from `start`) is one client's."""
+    new, state = step(cfg, params, grads, carry["state"], carry["t"], None, lr)
+    return new, {"state": state, "t": carry["t"] + 1}
 
 
 def torch_optimizer(cfg: OptimizerConfig, params: list[torch.Tensor]) -> torch.optim.Optimizer:

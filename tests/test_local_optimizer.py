@@ -1,0 +1,121 @@
+"""The configured local optimizer (momentum, weight decay, Adam) drives the local steps that
+pFedMe, pFedMac, APFL and FedCR write themselves: one round of one full-batch client against a
+reference written with `torch.optim`."""
+
+from __future__ import annotations
+
+import torch
+from conftest import regression_data, split_from, tiny_params
+
+from flows.train import InlineSteps, run_round
+from pfl_tasks.algorithms import build
+from pfl_tasks.algorithms.federation import Federation
+from pfl_tasks.config import parse_params
+from pfl_tasks.data import FederatedData
+from pfl_tasks.engine import optim
+
+ADAM = {"name": "adam", "lr": 0.05, "weight_decay": 0.01}
+STEPS = 3
+
+
+def one_client():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(20, 3, generator=gen)
+    return x, x @ torch.tensor([1.0, -2.0, 0.5]) + 0.1 * torch.randn(20, generator=gen)
+
+
+def one_round(algorithm, hp, data, model=None, optimizer=ADAM):
+    params = parse_params(tiny_params(
+        model=model or {"kind": "linear", "bias": False}, federation={"rounds": 1},
+        local={"steps": STEPS, "batch_size": None, "optimizer": optimizer},
+    ))
+    fed = Federation(params.experiment("tiny"), build(algorithm, hp), data)
+    start = fed.initial_state()
+    w0 = {k: v.clone() for k, v in start.server.get("global", {}).items()}
+    return w0, run_round(InlineSteps(1), fed, start, 0)
+
+
+def mse(w, x, y):
+    return ((x @ w.T).squeeze(-1) - y).pow(2).mean()
+
+
+def adam(tensor):
+    p = tensor.clone().requires_grad_()
+    return p, torch.optim.Adam([p], lr=ADAM["lr"], weight_decay=ADAM["weight_decay"])
+
+
+def descend(opt, p, grad):
+    opt.zero_grad()
+    p.grad = grad.detach().clone()
+    opt.step()
+
+
+def test_pfedme_outer_step_is_the_configured_optimizer():
+    x, y = one_client()
+    lam, plr, inner = 15.0, 0.01, 2
+    w0, state = one_round("pfedme", {"lam": lam, "personal_lr": plr, "inner_steps": inner}, regression_data([x], [y]))
+    omega, opt = adam(w0["1.weight"])
+    theta = w0["1.weight"].clone()
+    for _ in range(STEPS):
+        for _ in range(inner):
+            t = theta.clone().requires_grad_()
+            g = torch.autograd.grad(mse(t, x, y) + lam / 2 * (t - omega.detach()).pow(2).sum(), t)[0]
+            theta = theta - plr * g
+        descend(opt, omega, lam * (omega.detach() - theta))
+    torch.testing.assert_close(state.server["global"]["1.weight"], omega.detach())
+    torch.testing.assert_close(state.clients["personal"]["1.weight"][0], theta)
+
+
+def test_pfedmac_global_step_is_the_configured_optimizer():
+    x, y = one_client()
+    lam, plr, inner = 0.5, 0.05, 2
+    w0, state = one_round("pfedmac", {"lam": lam, "personal_lr": plr, "inner_steps": inner}, regression_data([x], [y]))
+    theta, opt = adam(w0["1.weight"])
+    omega = w0["1.weight"].clone()  # the client's personal model starts as the initial model
+    for _ in range(STEPS):
+        for _ in range(inner):
+            o = omega.clone().requires_grad_()
+            g = torch.autograd.grad(mse(o, x, y) - lam * (o * theta.detach()).sum(), o)[0]
+            omega = omega - plr * g
+        descend(opt, theta, lam * (theta.detach() - omega))
+    torch.testing.assert_close(state.server["global"]["1.weight"], theta.detach())
+    torch.testing.assert_close(state.clients["personal"]["1.weight"][0], omega)
+
+
+def test_apfl_steps_are_the_configured_optimizer_with_one_state_per_model():
+    x, y = one_client()
+    alpha, alpha_lr = 0.5, 0.01
+    w0, state = one_round("apfl", {"alpha": alpha, "alpha_lr": alpha_lr}, regression_data([x], [y]))
+    theta, opt_theta = adam(w0["1.weight"])
+    v, opt_v = adam(w0["1.weight"])  # the personal model starts as the initial model
+    a = torch.tensor(alpha)
+    for _ in range(STEPS):
+        mix = (a * v + (1 - a) * theta).detach().requires_grad_()
+        g_mix = torch.autograd.grad(mse(mix, x, y), mix)[0]
+        t = theta.detach().clone().requires_grad_()
+        g_theta = torch.autograd.grad(mse(t, x, y), t)[0]
+        new_a = torch.clamp(a - alpha_lr * ((v.detach() - theta.detach()) * g_mix).sum(), 0, 1)
+        descend(opt_theta, theta, g_theta)
+        descend(opt_v, v, a * g_mix)
+        a = new_a
+    torch.testing.assert_close(state.server["global"]["1.weight"], theta.detach())
+    torch.testing.assert_close(state.clients["local"]["1.weight"][0], v.detach())
+    torch.testing.assert_close(state.clients["alpha"][0], a)
+
+
+def test_fedcr_steps_are_the_configured_optimizer(monkeypatch):
+    """FedCR's objective has noise and a KL term; here its step is checked to hand the
+    configured optimizer its gradients, and to move differently under Adam than under SGD."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(30, 4, generator=gen)
+    y = (x[:, 0] > 0).long()
+    split = split_from([x], [y])
+    data = FederatedData("cls", "classification", 2, (4,), split, split, split, "cls")
+    configs = []
+    real_apply = optim.apply
+    monkeypatch.setattr(optim, "apply", lambda cfg, *args, **kw: configs.append(cfg) or real_apply(cfg, *args, **kw))
+    model = {"kind": "mlp", "hidden": [6]}
+    _, with_adam = one_round("fedcr", {}, data, model)
+    assert configs and all(c.name == "adam" and c.weight_decay == ADAM["weight_decay"] for c in configs)
+    _, with_sgd = one_round("fedcr", {}, data, model, optimizer={"name": "sgd", "lr": 0.05})
+    assert (with_adam.server["body"]["1.weight"] - with_sgd.server["body"]["1.weight"]).abs().max() > 1e-4
