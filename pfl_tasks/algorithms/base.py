@@ -116,7 +116,7 @@ class Algorithm(ABC):
 
     def personalize(self, trainer: LocalTrainer, server: Tree, state: Tree, val_loss: ValLoss) -> tuple[Tree, bool]:
         """What a chunk is evaluated with, as `personalized`; `trainer` holds the chunk's training
-        data, for local work at evaluation time (its fits use `stream=EVAL_STREAM`), and
+        data, for local work at evaluation time (its fits use streams from `EVAL_STREAM` on), and
         `val_loss(params, stacked, forward)` scores a candidate on each client's validation
         split [K], for what is selected at evaluation time (never the test split)."""
         return self.personalized(server, state)

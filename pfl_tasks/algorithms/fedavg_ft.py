@@ -52,8 +52,8 @@ class FineTune:
             model = trainer.fit(model, stream=EVAL_STREAM + s, local=stage)
             loss = val_loss(model, True, self.forward)
             better = loss < best_loss
-            best = {k: torch.where(per_row(better, v), v, best[k]) for k, v in model.items()}
-            best_loss = torch.minimum(loss, best_loss)
+            best = {k: torch.where(per_row(better.to(v.device), v), v, best[k]) for k, v in model.items()}
+            best_loss = torch.where(better, loss, best_loss)
         return best, True
 
 
