@@ -49,19 +49,26 @@ def descend(opt, p, grad):
     opt.step()
 
 
+def prox_loop(outer, inner, inner_loss, outer_grad, plr, steps):
+    """pFedMe's and pFedMac's local loop, by hand: per local step `steps` GD steps on
+    `inner_loss(inner, outer)`, then one Adam step of `outer` on `outer_grad(outer, inner)`."""
+    outer, opt = adam(outer)
+    for _ in range(STEPS):
+        for _ in range(steps):
+            p = inner.clone().requires_grad_()
+            inner = inner - plr * torch.autograd.grad(inner_loss(p, outer.detach()), p)[0]
+        descend(opt, outer, outer_grad(outer.detach(), inner))
+    return outer.detach(), inner
+
+
 def test_pfedme_outer_step_is_the_configured_optimizer():
     x, y = one_client()
     lam, plr, inner = 15.0, 0.01, 2
     w0, state = one_round("pfedme", {"lam": lam, "personal_lr": plr, "inner_steps": inner}, regression_data([x], [y]))
-    omega, opt = adam(w0["1.weight"])
-    theta = w0["1.weight"].clone()
-    for _ in range(STEPS):
-        for _ in range(inner):
-            t = theta.clone().requires_grad_()
-            g = torch.autograd.grad(mse(t, x, y) + lam / 2 * (t - omega.detach()).pow(2).sum(), t)[0]
-            theta = theta - plr * g
-        descend(opt, omega, lam * (omega.detach() - theta))
-    torch.testing.assert_close(state.server["global"]["1.weight"], omega.detach())
+    omega, theta = prox_loop(w0["1.weight"], w0["1.weight"].clone(),
+                             lambda t, o: mse(t, x, y) + lam / 2 * (t - o).pow(2).sum(),
+                             lambda o, t: lam * (o - t), plr, inner)
+    torch.testing.assert_close(state.server["global"]["1.weight"], omega)
     torch.testing.assert_close(state.clients["personal"]["1.weight"][0], theta)
 
 
@@ -69,15 +76,10 @@ def test_pfedmac_global_step_is_the_configured_optimizer():
     x, y = one_client()
     lam, plr, inner = 0.5, 0.05, 2
     w0, state = one_round("pfedmac", {"lam": lam, "personal_lr": plr, "inner_steps": inner}, regression_data([x], [y]))
-    theta, opt = adam(w0["1.weight"])
-    omega = w0["1.weight"].clone()  # the client's personal model starts as the initial model
-    for _ in range(STEPS):
-        for _ in range(inner):
-            o = omega.clone().requires_grad_()
-            g = torch.autograd.grad(mse(o, x, y) - lam * (o * theta.detach()).sum(), o)[0]
-            omega = omega - plr * g
-        descend(opt, theta, lam * (theta.detach() - omega))
-    torch.testing.assert_close(state.server["global"]["1.weight"], theta.detach())
+    theta, omega = prox_loop(w0["1.weight"], w0["1.weight"].clone(),  # the personal model starts as the initial one
+                             lambda o, t: mse(o, x, y) - lam * (o * t).sum(),
+                             lambda t, o: lam * (t - o), plr, inner)
+    torch.testing.assert_close(state.server["global"]["1.weight"], theta)
     torch.testing.assert_close(state.clients["personal"]["1.weight"][0], omega)
 
 

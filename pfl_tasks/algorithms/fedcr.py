@@ -43,7 +43,7 @@ from pfl_tasks.engine.state import broadcast, replicate
 from pfl_tasks.nets import head_keys
 
 ENCODER_KEYS = ("encoder.weight", "encoder.bias")
-SIGMA_SHIFT = 5.0  # sigma = softplus(s - 5): the authors' small initial noise
+SIGMA_SHIFT = 5.0  # sigma = softplus(s - 5): the VIB code's small initial noise (module doc)
 
 
 class FedCRHyper(HyperParams):
@@ -73,6 +73,17 @@ def encoder_init(width: int, seed: int) -> dict[str, torch.Tensor]:
             "encoder.bias": (torch.rand(2 * width, generator=gen) * 2 - 1) * bound}
 
 
+def head_names(params) -> set[str]:
+    """The personal head's parameter names (the net's last layer; the encoder is not in the net)."""
+    return head_keys([k for k in params if k not in ENCODER_KEYS])
+
+
+def read_head(params, names: set[str], z: torch.Tensor) -> torch.Tensor:
+    """The head's logits for representations z."""
+    head = next(iter(names)).split(".")[0]
+    return F.linear(z, params[f"{head}.weight"], params.get(f"{head}.bias"))
+
+
 @register
 class FedCR(Algorithm):
     name = "fedcr"
@@ -80,7 +91,7 @@ class FedCR(Algorithm):
     Hyper = FedCRHyper
 
     def split(self, params):
-        head = head_keys([k for k in params if k not in ENCODER_KEYS])
+        head = head_names(params)
         return {k: v for k, v in params.items() if k not in head}, {k: params[k] for k in head}
 
     def init_server(self, params, facts):
@@ -96,26 +107,23 @@ class FedCR(Algorithm):
         return server
 
     @staticmethod
-    def features(net, params, x, head_names):
+    def features(net, params, x, names):
         """(mu, sigma^2) of the representation of inputs x."""
-        body = {k: v for k, v in params.items() if k not in ENCODER_KEYS and k not in head_names}
+        body = {k: v for k, v in params.items() if k not in ENCODER_KEYS and k not in names}
         s = F.linear(functional_call(net[:-1], body, (x,)), params["encoder.weight"], params["encoder.bias"])
         mu, raw = s.chunk(2, dim=-1)
         return mu, F.softplus(raw - SIGMA_SHIFT) ** 2 + 1e-8
 
     def forward(self, net, params, x):
-        head_names = head_keys([k for k in params if k not in ENCODER_KEYS])
-        mu, _ = self.features(net, params, x, head_names)
-        head = next(iter(head_names)).split(".")[0]
-        return F.linear(mu, params[f"{head}.weight"], params.get(f"{head}.bias"))
+        names = head_names(params)
+        return read_head(params, names, self.features(net, params, x, names)[0])
 
     forward_global = forward
 
     def client_update(self, trainer, payload, state):
         hp, cfg, k = self.hp, trainer.local.optimizer, len(trainer.client_ids)
         net = trainer.net
-        head_names = set(state["head"])
-        head = next(iter(head_names)).split(".")[0]
+        names = set(state["head"])
         n_classes, width = payload["class_mean"].shape
         device = payload["class_mean"].device
         samples = hp.samples if hp.stochastic else 1
@@ -128,10 +136,10 @@ class FedCR(Algorithm):
             ]).to(device)}
 
         def objective(params, batch_):
-            mu, var = self.features(net, params, batch_.x, head_names)
+            mu, var = self.features(net, params, batch_.x, names)
             eps = batch_.extra["eps"] if hp.stochastic else torch.zeros_like(batch_.extra["eps"])
             z = mu.unsqueeze(1) + var.sqrt().unsqueeze(1) * eps  # [B, samples, H]
-            logits = F.linear(z, params[f"{head}.weight"], params.get(f"{head}.bias"))
+            logits = read_head(params, names, z)
             log_p = F.log_softmax(logits, -1)  # [B, samples, C]
             loss = -log_p.gather(-1, batch_.y[:, None, None].expand(-1, samples, 1)).squeeze(-1).mean(1)
             kl = gaussian_kl(payload["class_mean"][batch_.y], payload["class_var"][batch_.y], mu, var)
@@ -160,12 +168,12 @@ class FedCR(Algorithm):
         count = out["count"].clamp_min(1).unsqueeze(-1)
         trained = out["params"]
         message = {
-            "body": {n: v for n, v in trained.items() if n not in head_names},
+            "body": {n: v for n, v in trained.items() if n not in names},
             "precision": out["precision"] / count,  # local PoE precision per class
             "precision_mean": out["precision_mean"] / count,
             "present": (out["count"] > 0).to(torch.float32),
         }
-        return message, {"head": {n: trained[n] for n in head_names}}
+        return message, {"head": {n: trained[n] for n in names}}
 
     def aggregate(self, server, messages, weights, ids):
         mean, var = product_of_experts(messages["precision"], messages["precision_mean"], messages["present"])
