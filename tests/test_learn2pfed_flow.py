@@ -36,7 +36,8 @@ def test_learn2pfed_head_on_upstream_body_resumes_and_lands_in_the_table(project
     first = run_experiment("tiny", path, str(project))[("val", 0)]
     ckpt = project / "models/learn2pfed/tiny/learn2pfed-val/seed-0/checkpoint.pt"
     assert torch.load(ckpt, weights_only=True)["round"] == 8
-    assert first["comm/bytes_up_per_cell"] == 6 * 10 * 17 * 8  # clients x classes x (16 + bias) float64s
+    per_cell = 6 * 10 * 17 * 8  # clients x classes x (16 + bias) float64s
+    assert first["final/comm/bytes_down"] == (2 * 8 + 1) * 3 * per_cell  # 8 meta steps there and back, 1 evaluation, 3 cells
     assert first["meta/loss_last"] != first["meta/fit_loss_last"]  # validation and training rows differ
 
     path = write_params(project, epochs=12)  # a longer meta-training continues from epoch 8
