@@ -31,6 +31,7 @@ from pfl_tasks.config import (
 )
 from pfl_tasks.data import load_partition, partition_dir
 from pfl_tasks.engine.checkpoint import CheckpointError, save_checkpoint
+from pfl_tasks.engine.device import describe
 from pfl_tasks.engine.state import gather
 from pfl_tasks.runs import Run, RunPaths
 from pfl_tasks.tracking import (
@@ -72,6 +73,12 @@ def local_update(fed, round_idx: int, chunk_idx: int, payload, ids, rows):
     return fed.local_update(round_idx, payload, ids, rows)
 
 
+@task(**TASK_OPTIONS, task_run_name="round-{round_idx}/local_update-chunk-{chunk_idx}")
+def remote_local_update(fed, round_idx: int, chunk_idx: int, payload, ids, rows):
+    """`local_update` on a Ray worker: what it returns travels back on the host."""
+    return fed.local_update(round_idx, payload, ids, rows).to_host()
+
+
 @task(**TASK_OPTIONS, task_run_name="round-{round_idx}/aggregate")
 def aggregate(fed, round_idx: int, state, results):
     return fed.aggregate(state, results)
@@ -101,10 +108,11 @@ class PrefectSteps:
     evaluate = staticmethod(evaluate)
     checkpoint = staticmethod(checkpoint)
     round = run_round
+    local_update = staticmethod(local_update)
 
     def local_updates(self, fed, round_idx, payload, chunks, clients):
         rows = [gather(clients, ids) for ids in chunks]
-        return local_update.map(
+        return self.local_update.map(
             unmapped(self.shared(fed)), round_idx, range(len(chunks)), unmapped(self.shared(payload)), chunks, rows,
         ).result()
 
@@ -115,16 +123,19 @@ class PrefectSteps:
 class RaySteps(PrefectSteps):
     """For the Ray task runner: what every chunk shares goes into Ray's object store once (the
     federation, with its data, once per run; the server payload once per round) and chunks
-    receive references; a chunk asks for a GPU when the driver has one."""
+    receive references. On a CUDA engine a chunk asks for `engine.gpus_per_chunk` of a GPU;
+    workers are reused across chunks and rounds (Ray's default for GPU tasks is a fresh
+    process each), upload the run's samples once, and send their results back on the host."""
+
+    local_update = staticmethod(remote_local_update)
 
     def __init__(self):
         self._fed = None
 
     def local_updates(self, fed, round_idx, payload, chunks, clients):
-        import torch
         from prefect_ray.context import remote_options
 
-        with remote_options(num_gpus=1 if torch.cuda.is_available() else 0):
+        with remote_options(num_gpus=ray_gpus(fed.exp.engine, fed.device), max_calls=0):
             return super().local_updates(fed, round_idx, payload, chunks, clients)
 
     def shared(self, value):
@@ -135,6 +146,21 @@ class RaySteps(PrefectSteps):
                 self._fed = (value, ray.put(value))
             return self._fed[1]
         return ray.put(value)
+
+
+def ray_gpus(engine: EngineConfig, device) -> float:
+    """A chunk's GPU request: its share on a CUDA engine, none on the CPU; a cluster without
+    that much GPU is refused (Ray would keep the tasks pending forever)."""
+    if device.type != "cuda":
+        return 0
+    import ray
+
+    offered = ray.cluster_resources().get("GPU", 0)
+    if offered < engine.gpus_per_chunk:
+        raise ConfigError(f"engine.device resolves to cuda, but the Ray cluster ({engine.ray_address or 'local'}) "
+                          f"offers {offered:g} GPUs and a chunk asks for engine.gpus_per_chunk="
+                          f"{engine.gpus_per_chunk:g}; set engine.device: cpu or add GPU nodes")
+    return engine.gpus_per_chunk
 
 
 class InlineSteps:
@@ -191,7 +217,8 @@ def prefect_steps(engine: EngineConfig):
 def run_identity(exp: ResolvedExperiment, run_name: str, raw_hp: dict, data_hash: str) -> dict:
     """What a checkpoint must share with this run to be resumed: config, data and library code.
     `federation.rounds` is left out (a longer run continues a shorter one), and so is the
-    engine (resume on another device or executor)."""
+    engine (another executor or chunking computes the same numbers up to rounding; the
+    platform, which decides the rounding, is checked on its own)."""
     config = {
         "experiment": exp.model_dump(mode="json", exclude={"engine", "algorithms", "hyper", "seeds"}),
         "algorithm": raw_hp,
@@ -215,7 +242,7 @@ def train_run(
     data = load_partition(partition_dir(root, exp.dataset, exp.seed))
     fed = Federation(exp, build(run_name, raw_hp), data)
     paths = RunPaths.of(root, exp.name, run_name, exp.seed)
-    identity = run_identity(exp, run_name, raw_hp, data.manifest_hash)
+    identity = {**run_identity(exp, run_name, raw_hp, data.manifest_hash), "platform": describe(fed.platform)}
     fedcfg = exp.federation
 
     with Run(paths, identity, tracking, exp.seed, total=fedcfg.rounds, unit="round",
@@ -227,12 +254,13 @@ def train_run(
             if "spent" not in ckpt:
                 raise CheckpointError(f"{paths.checkpoint}: written before validation splits and cost accounting; "
                                       "rerun with --on-config-change restart")
-            state = RunState(ckpt["round"], fed.to_device(ckpt["server"]), ckpt["clients"])
+            state = fed.restore(ckpt["round"], ckpt["server"], ckpt["clients"])
             history, tables, spent, skipped = ckpt["history"], ckpt["tables"], ckpt["spent"], ckpt["skipped"]
             print(f"{run.label}: resuming from round {state.round}")
         run.track(exp.name, flatten({"experiment": exp.model_dump(mode="json", exclude={"hyper"}), "algorithm": raw_hp}),
-                  run_tags(exp, data.task, data.partition, run_name, fed.algorithm.name, fed.algorithm.citation,
-                           data.manifest_hash, identity["config_hash"], flow_run_id))
+                  {**run_tags(exp, data.task, data.partition, run_name, fed.algorithm.name, fed.algorithm.citation,
+                              data.manifest_hash, identity["config_hash"], flow_run_id),
+                   **{f"platform.{key}": value for key, value in fed.platform.items()}})
         run.log(history)  # what a failed MLflow write left unlogged
 
         def snapshot() -> dict:

@@ -273,12 +273,21 @@ class EngineConfig(Strict):
     # steps: tasks sample_clients, local_update per chunk, aggregate. round: one task per round
     # (its chunks on the task's threads) instead of 2 + one per chunk: less Prefect overhead
     round_tasks: Literal["steps", "round"] = "steps"
+    # where the client stacks live between rounds on a GPU: device (no copies), host (pinned,
+    # copied per chunk), auto: device when they take at most a quarter of its memory
+    client_state: Literal["auto", "host", "device"] = "auto"
+    deterministic: Bool = True  # on CUDA: deterministic kernels only (bit-identical reruns)
+    tf32: Bool = False  # on CUDA: TF32 matmuls and convolutions (faster, ~1e-3 relative error)
+    gpus_per_chunk: Annotated[float, Field(gt=0, le=1, strict=True)] = 1.0  # Ray on CUDA: a chunk's share of a GPU
 
     @model_validator(mode="after")
     def _ray_needs_chunk_tasks(self) -> EngineConfig:
         if self.round_tasks == "round" and self.task_runner == "ray":
             raise ValueError("round_tasks 'round' runs a round's chunks inside one task, which Ray cannot "
                              "spread; use round_tasks 'steps' with task_runner 'ray'")
+        if self.client_state == "device" and self.task_runner == "ray":
+            raise ValueError("client_state 'device' keeps client stacks on this process's GPU, which Ray "
+                             "workers cannot reach; use client_state 'host' or 'auto' with task_runner 'ray'")
         return self
 
 

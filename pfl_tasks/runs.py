@@ -67,6 +67,11 @@ def resume_point(path: Path, identity: dict, total: int, on_config_change: str) 
         problem = f"configuration changed ({', '.join(sorted({k for k, _ in changed}))})"
     elif ckpt["round"] > total:
         problem = f"it is at step {ckpt['round']}, beyond the configured {total}"
+    elif "platform" in identity and ckpt.get("platform") != identity["platform"]:
+        problem = (f"it was computed on {ckpt.get('platform', 'an unrecorded platform')}, this run computes on "
+                   f"{identity['platform']} (the numbers would mix both)")
+    if problem is not None and on_config_change == "resume":
+        print(f"{path}: {problem}; resuming anyway (--on-config-change resume)", file=sys.stderr)
     if problem is None or on_config_change == "resume":
         return ckpt
     if on_config_change == "restart":

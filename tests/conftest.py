@@ -42,6 +42,52 @@ def params():
     return parse_params(tiny_params())
 
 
+# the engine's devices: the CPU always, CUDA where there is one (skipped otherwise)
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"))]
+
+
+@pytest.fixture(params=DEVICES)
+def device(request) -> str:
+    return request.param
+
+
+@pytest.fixture(scope="session")
+def digits6() -> FederatedData:
+    """The tiny experiment's digits partition (6 clients), in memory."""
+    from pfl_tasks.data import build_partition
+    from pfl_tasks.data.store import _client_split
+
+    params = parse_params(tiny_params())
+    df, manifest = build_partition("digits", params.datasets["digits"], 0)
+    shape = tuple(manifest["feature_shape"])
+    return FederatedData(
+        "digits", "classification", 10, shape,
+        *(_client_split(df[df.split == split], 6, shape) for split in ("train", "val", "test")), "x",
+    )
+
+
+def tiny_federation(data, algorithm, executor="vectorized", device="cpu", hp=None, chunk_size=4, engine=None,
+                    **overrides):
+    """A `Federation` of the tiny experiment on `data`, run inline; `engine`: more engine settings."""
+    from pfl_tasks.algorithms import build
+    from pfl_tasks.algorithms.federation import Federation
+    from pfl_tasks.config import EngineConfig
+
+    params = parse_params(tiny_params(**overrides))
+    engine = EngineConfig(executor=executor, chunk_size=chunk_size, device=device, orchestrator="inline",
+                          **(engine or {}))
+    exp = params.experiment("tiny").model_copy(update={"engine": engine})
+    return Federation(exp, build(algorithm, hp if hp is not None else params.algorithms.get(algorithm, {})), data)
+
+
+def run_rounds(fed, state, start: int, stop: int):
+    from flows.train import InlineSteps, run_round
+
+    for r in range(start, stop):
+        state = run_round(InlineSteps(2), fed, state, r)
+    return state
+
+
 def split_from(xs: list[torch.Tensor], ys: list[torch.Tensor]) -> ClientSplit:
     counts = torch.tensor([len(y) for y in ys])
     return ClientSplit(torch.cat(xs), torch.cat(ys), torch.cumsum(counts, 0) - counts, counts)

@@ -70,6 +70,21 @@ def test_checkpoint_of_other_config_is_refused_naming_the_change(project):
     assert train(project, eval_every=3, on_config_change="restart")["final/round"] == 6
 
 
+def test_checkpoint_of_another_platform_is_refused_unless_resumed(project, monkeypatch):
+    """The platform (device, GPU, torch, CUDA, TF32) decides the rounding: a checkpoint from
+    another is refused by default, resumed (with a warning) only when asked."""
+    train(project, rounds=3)
+    path = RunPaths.of(project, "tiny", "fedprox", 0).checkpoint
+    assert load_checkpoint(path, {})["platform"] == f"device cpu, torch {torch.__version__}"
+    from pfl_tasks.algorithms import federation
+
+    monkeypatch.setattr(federation, "platform", lambda engine, device: {"device": "cuda", "gpu": "Some GPU"})
+    with pytest.raises(CheckpointError, match="computed on device cpu, .* this run computes on device cuda, gpu Some GPU"):
+        train(project)
+    assert train(project, on_config_change="resume")["final/round"] == 6
+    assert load_checkpoint(path, {})["platform"] == "device cuda, gpu Some GPU"
+
+
 def test_longer_run_continues_a_finished_one(project):
     train(project)
     ckpt = RunPaths.of(project, "tiny", "fedprox", 0).checkpoint

@@ -3,36 +3,15 @@
 import pytest
 import torch
 
-from conftest import tiny_params
-from flows.train import InlineSteps, run_round
-from pfl_tasks.algorithms import build
-from pfl_tasks.algorithms.federation import Federation
-from pfl_tasks.config import EngineConfig, parse_params
-from pfl_tasks.data import build_partition
-from pfl_tasks.data.store import FederatedData, _client_split
+from conftest import run_rounds, tiny_federation, tiny_params
+from pfl_tasks.config import parse_params
 from pfl_tasks.engine.executor import SequentialTrainer, batch_schedule
 from pfl_tasks.engine.state import tree_map
 
 
-@pytest.fixture(scope="module")
-def digits6() -> FederatedData:
-    params = parse_params(tiny_params())
-    df, manifest = build_partition("digits", params.datasets["digits"], 0)
-    shape = tuple(manifest["feature_shape"])
-    return FederatedData(
-        "digits", "classification", 10, shape,
-        *(_client_split(df[df.split == split], 6, shape) for split in ("train", "val", "test")), "x",
-    )
-
-
-def run(data, algorithm, executor, rounds=3, hp=None, **overrides):
-    params = parse_params(tiny_params(**overrides))
-    exp = params.experiment("tiny").model_copy(update={"engine": EngineConfig(executor=executor, chunk_size=4)})
-    fed = Federation(exp, build(algorithm, hp if hp is not None else params.algorithms[algorithm]), data)
-    state = fed.initial_state()
-    for r in range(rounds):
-        state = run_round(InlineSteps(2), fed, state, r)
-    return fed, state
+def run(data, algorithm, executor, rounds=3, hp=None, device="cpu", **overrides):
+    fed = tiny_federation(data, algorithm, executor, device, hp, **overrides)
+    return fed, run_rounds(fed, fed.initial_state(), 0, rounds)
 
 
 def assert_trees_close(a, b, atol=1e-5):
@@ -50,10 +29,10 @@ def assert_trees_close(a, b, atol=1e-5):
     {"optimizer": {"momentum": 0.9, "weight_decay": 1e-3}},
     {"epochs": 1, "optimizer": {"name": "adam", "lr": 0.01}},
 ])
-def test_vectorized_equals_sequential(digits6, algorithm, local):
-    fed, vec = run(digits6, algorithm, "vectorized", local=local)
-    _, seq = run(digits6, algorithm, "sequential", local=local)
-    _, start = run(digits6, algorithm, "sequential", rounds=0, local=local)
+def test_vectorized_equals_sequential(digits6, algorithm, local, device):
+    fed, vec = run(digits6, algorithm, "vectorized", local=local, device=device)
+    _, seq = run(digits6, algorithm, "sequential", local=local, device=device)
+    _, start = run(digits6, algorithm, "sequential", rounds=0, local=local, device=device)
     vec_model, _ = fed.algorithm.personalized(vec.server, vec.clients)
     seq_model, _ = fed.algorithm.personalized(seq.server, seq.clients)
     start_model, _ = fed.algorithm.personalized(start.server, start.clients)
@@ -118,9 +97,10 @@ def test_epochs_budget_gives_each_client_its_own_step_count():
     "ditto", "feddyn", "fedper", "fedrep", "pfedme", "pfedmac", "apfl", "l2sgd", "fpfc", "fedcr",
     "fedavg_ft", "fedprox_ft", "knnper", "cfl", "lp_proj",
 ])
-def test_vectorized_equals_sequential_for_seed_algorithms(digits6, algorithm):
-    fed, vec = run(digits6, algorithm, "vectorized", hp={"feddyn": {"alpha": 0.1}}.get(algorithm, {}))
-    _, seq = run(digits6, algorithm, "sequential", hp={"feddyn": {"alpha": 0.1}}.get(algorithm, {}))
+def test_vectorized_equals_sequential_for_seed_algorithms(digits6, algorithm, device):
+    hp = {"feddyn": {"alpha": 0.1}}.get(algorithm, {})
+    fed, vec = run(digits6, algorithm, "vectorized", hp=hp, device=device)
+    _, seq = run(digits6, algorithm, "sequential", hp=hp, device=device)
     assert vec.grad_samples == seq.grad_samples  # the last round's compute, counted either way
     assert vec.grad_samples > 0 or algorithm == "l2sgd"  # L2SGD's third round only communicates
     for view in (fed.algorithm.personalized, lambda s, c: (fed.algorithm.global_model(s, c), False)):

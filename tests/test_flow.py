@@ -3,6 +3,7 @@
 import time
 
 import pytest
+import torch
 import yaml
 
 from conftest import assert_same_runs, mlflow_uri, tiny_params, train_tiny
@@ -47,6 +48,7 @@ def test_prefect_flow_runs_rounds_as_tasks_and_logs_to_mlflow(project, prefect_h
     assert fedavg.data.tags["seed"] == "0" and runs["fedavg-seed1"].data.tags["seed"] == "1"
     assert fedavg.data.tags["partition"] == "dirichlet(alpha=0.5, min_samples=20, n_clients=6)"
     assert fedavg.data.tags["dataset"] == "digits" and fedavg.data.tags["model"] == "mlp"
+    assert fedavg.data.tags["platform.device"] == "cpu" and fedavg.data.tags["platform.torch"] == torch.__version__
     assert fedavg.data.params["experiment.federation.rounds"] == "2"
     metrics = fedavg.data.metrics
     for key in ("final/test/personalized/acc_mean", "final/test/global/acc_worst10",

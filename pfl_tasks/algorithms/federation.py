@@ -1,13 +1,16 @@
 """One federated run's round steps: sample clients, local update per chunk, aggregate, evaluate.
 
 Each step is a plain method, so a Prefect flow can wrap each as a task and the inline
-orchestrator (tests, benchmarks) can call them directly. Full client state lives on the CPU;
-a chunk's rows move to the device only while that chunk trains or is evaluated.
+orchestrator (tests, benchmarks) can call them directly. The server state and the samples
+live on the engine's device; the client stacks on the device too when `engine.client_state`
+says so, otherwise on the host (pinned when the device is a GPU), a chunk's rows moving up
+only while that chunk trains or is evaluated.
 """
 
 from __future__ import annotations
 
 import copy
+import uuid
 from dataclasses import dataclass
 
 import numpy as np
@@ -15,10 +18,11 @@ import torch
 
 from pfl_tasks.algorithms.base import Algorithm, Facts
 from pfl_tasks.config import ConfigError, ResolvedExperiment
-from pfl_tasks.data import FederatedData
+from pfl_tasks.data import ClientSplit, FederatedData
+from pfl_tasks.engine.device import configure, platform, resolve_device
 from pfl_tasks.engine.evaluate import evaluate_clients
 from pfl_tasks.engine.executor import make_trainer
-from pfl_tasks.engine.state import Tree, concat, gather, leaves, scatter_, to_device, tree_bytes, tree_map
+from pfl_tasks.engine.state import Tree, concat, gather, leaves, scatter_, to_device, to_host, tree_bytes, tree_map
 from pfl_tasks.nets import build_net, init_params
 
 
@@ -29,7 +33,7 @@ class RunState:
 
     round: int  # completed rounds
     server: Tree
-    clients: Tree  # stacks with one row per client, on the CPU
+    clients: Tree  # stacks with one row per client, on `Federation.state_device`
     bytes_up: int = 0  # sent in the last round, all clients together
     bytes_down: int = 0
     reported: int = 0  # clients whose messages the last round aggregated (0: skipped)
@@ -39,18 +43,17 @@ class RunState:
 @dataclass
 class ChunkResult:
     ids: torch.Tensor
-    messages: Tree  # on the device
-    clients: Tree  # on the CPU
+    messages: Tree  # on the device (on the host when it comes back from a Ray worker)
+    clients: Tree  # on `Federation.state_device`
     bytes_down: int
     grad_samples: int
 
+    def to_host(self) -> ChunkResult:
+        return ChunkResult(self.ids, to_host(self.messages), to_host(self.clients), self.bytes_down,
+                           self.grad_samples)
 
-def resolve_device(name: str) -> torch.device:
-    if name == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("engine.device is 'cuda' but no CUDA device is available")
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    return torch.device(name)
+
+DEVICE_STATE_SHARE = 0.25  # client_state auto: the stacks on the GPU up to this share of its memory
 
 
 class Federation:
@@ -67,14 +70,37 @@ class Federation:
                               "(its server rule averages all of them)")
         self.facts = Facts(data.n_clients, exp.local.steps or exp.local.epochs, exp.seed)
         self.device = resolve_device(exp.engine.device)
+        configure(exp.engine, self.device)
+        self.platform = platform(exp.engine, self.device)
+        self.state_device = self.device  # where the client stacks live: settled by `place`
         self.task = data.task
-        self.train = _split_to(data.train, self.device)
-        self.splits = {"val": _split_to(data.val, self.device), "test": _split_to(data.test, self.device)}
+        self._token = uuid.uuid4().hex  # names this federation's samples in a worker's cache
+        self.train, self.splits = _split_to(data.train, self.device), {
+            "val": _split_to(data.val, self.device), "test": _split_to(data.test, self.device)}
         self.n_clients = data.n_clients
         self.net = build_net(exp.model, data.feature_shape, data.n_outputs)
         # functional_call swaps a module's tensors while it runs, so concurrent chunks each
         # get their own module: a copy of this storage-free template
         self._template = copy.deepcopy(self.net).to("meta")
+
+    def __getstate__(self) -> dict:
+        """Pickled (for a Ray worker) with its samples as host arrays, which Ray's object store
+        hands to every worker without a copy."""
+        state = dict(self.__dict__)
+        state["train"], state["splits"] = _host_arrays(self.train), {k: _host_arrays(v) for k, v in self.splits.items()}
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        """Unpickled in a worker: the samples go to its device once per run, not once per chunk."""
+        self.__dict__.update(state)
+        configure(self.exp.engine, self.device)
+        key = self._token, str(self.device)
+        if key not in _UPLOADED:
+            while len(_UPLOADED) >= 2:  # a worker serves one run at a time: keep the newest
+                _UPLOADED.pop(next(iter(_UPLOADED)))
+            _UPLOADED[key] = (_split_to(_from_arrays(self.train), self.device),
+                              {k: _split_to(_from_arrays(v), self.device) for k, v in self.splits.items()})
+        self.train, self.splits = _UPLOADED[key]
 
     def fresh_net(self) -> torch.nn.Module:
         return copy.deepcopy(self._template)
@@ -82,11 +108,25 @@ class Federation:
     def initial_state(self) -> RunState:
         params = init_params(self.net, self.exp.seed)
         server = to_device(self.algorithm.init_server(params, self.facts), self.device)
-        clients = tree_map(lambda t: t.cpu(), self.algorithm.init_clients(params, self.n_clients))
-        return RunState(0, server, clients)
+        return RunState(0, server, self.place(self.algorithm.init_clients(params, self.n_clients)))
 
-    def to_device(self, tree: Tree) -> Tree:
-        return to_device(tree, self.device)
+    def restore(self, round_idx: int, server: Tree, clients: Tree) -> RunState:
+        """The state a checkpoint holds (on the CPU), placed as this federation keeps it."""
+        return RunState(round_idx, to_device(server, self.device), self.place(clients))
+
+    def place(self, clients: Tree) -> Tree:
+        """The client stacks where `engine.client_state` keeps them: on a GPU, or on the host,
+        pinned (a GPU copies pinned rows without blocking)."""
+        choice, size = self.exp.engine.client_state, tree_bytes(clients)
+        if self.device.type != "cuda":
+            self.state_device = self.device
+        elif choice == "device" or (choice == "auto" and self.exp.engine.task_runner != "ray" and
+                                    size <= DEVICE_STATE_SHARE * torch.cuda.get_device_properties(self.device).total_memory):
+            self.state_device = self.device
+        else:
+            self.state_device = torch.device("cpu")
+            return tree_map(lambda t: t.cpu().pin_memory(), clients)
+        return to_device(clients, self.state_device)
 
     def sample_clients(self, round_idx: int) -> torch.Tensor:
         """The sampled clients that report this round, sorted. Dropout is drawn per client from
@@ -112,15 +152,16 @@ class Federation:
         state = to_device(client_rows, self.device)
         shared, rows = self.algorithm.download(payload, ids.to(self.device))
         messages, new_state = self.algorithm.client_update(trainer, {**shared, **rows}, state)
-        new_state = tree_map(lambda t: t.cpu(), new_state)
+        if self.state_device != self.device:
+            new_state = to_host(new_state)
         return ChunkResult(ids, messages, new_state, tree_bytes(shared) * len(ids) + tree_bytes(rows),
                            trainer.grad_samples)
 
     def aggregate(self, state: RunState, results: list[ChunkResult]) -> RunState:
         ids = torch.cat([r.ids for r in results])
         messages = concat([r.messages for r in results])
-        on_device = ids.to(self.device)
-        server = self.algorithm.aggregate(state.server, messages, self.train.counts[on_device].to(torch.float64), on_device)
+        weights = self.train.counts[ids].to(self.device, torch.float64)
+        server = self.algorithm.aggregate(state.server, to_device(messages, self.device), weights, ids.to(self.device))
         clients = state.clients
         if clients:
             clients = scatter_(clients, ids, concat([r.clients for r in results]))
@@ -132,7 +173,7 @@ class Federation:
         """Per-client validation and test metrics of every client, for the personalized and
         global models, and the compute personalizing them took."""
         out = {split: {"personalized": [], "global": []} for split in self.splits}
-        view = self.algorithm.global_model(state.server, state.clients)  # clients stay on the CPU
+        view = self.algorithm.global_model(state.server, state.clients)
         shared = None if view is None else to_device(view, self.device)
         grad_samples = 0
         for ids in self.chunks(torch.arange(self.n_clients)):
@@ -174,9 +215,7 @@ class Federation:
         return None
 
     def _eval(self, split, ids, params, stacked, forward=None) -> dict[str, torch.Tensor]:
-        return evaluate_clients(
-            self.fresh_net(), self.task, self.splits[split], ids.to(self.device), params, stacked, forward
-        )
+        return evaluate_clients(self.fresh_net(), self.task, self.splits[split], ids, params, stacked, forward)
 
 
 @dataclass
@@ -185,5 +224,18 @@ class Evaluation:
     grad_samples: int  # compute spent personalizing every client (fine-tuning), 0 for most methods
 
 
+_UPLOADED: dict[tuple[str, str], tuple] = {}  # (federation token, device) -> its samples there, per process
+
+
+def _host_arrays(split) -> tuple:
+    return tuple(t.cpu().numpy() for t in (split.x, split.y, split.offsets, split.counts))
+
+
+def _from_arrays(arrays: tuple):
+    return ClientSplit(*(torch.from_numpy(a.copy()) for a in arrays))
+
+
 def _split_to(split, device):
-    return type(split)(*(t.to(device) for t in (split.x, split.y, split.offsets, split.counts)))
+    """The samples on `device`; offsets and counts stay on the host, where schedules are built."""
+    x, y = to_device({"x": split.x, "y": split.y}, device).values()
+    return type(split)(x, y, split.offsets, split.counts)

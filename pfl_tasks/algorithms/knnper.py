@@ -29,7 +29,7 @@ from torch.func import functional_call
 
 from pfl_tasks.algorithms.fedavg import FedAvg, FedAvgHyper
 from pfl_tasks.algorithms.registry import register
-from pfl_tasks.engine.state import broadcast
+from pfl_tasks.engine.state import broadcast, to_device
 from pfl_tasks.nets import embed, split_net
 
 
@@ -68,11 +68,12 @@ class KNNPer(FedAvg):
     def personalize(self, trainer, server, state, val_loss):
         """The global model and, per client, its datastore of training embeddings and its lam."""
         require_classification(trainer.task)
-        model, counts = server["global"], trainer.counts
+        model, counts = server["global"], trainer.counts  # counts on the host
         body, body_params, _, _ = split_net(trainer.net, model)
-        position = torch.arange(int(counts.max()), device=counts.device)
+        position = torch.arange(int(counts.max()))
         mask = position < counts[:, None]
         rows = trainer.offsets[:, None] + position * mask  # padding repeats the first row
+        rows, mask = to_device({"rows": rows, "mask": mask}, trainer.device).values()
         x = trainer.train.x[rows.flatten()]
         keys = embed(body, body_params, x)
         store = {"keys": keys.view(*rows.shape, -1), "labels": trainer.train.y[rows], "mask": mask}

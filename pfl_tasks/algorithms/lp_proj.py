@@ -45,8 +45,11 @@ class LpProjHyper(HyperParams):
 
 
 @lru_cache(maxsize=4)
-def projection(seed: int, dim: int, size: int) -> torch.Tensor:
-    """P [dim, size] with unit-norm Gaussian rows, the same for every party sharing `seed`."""
+def projection(seed: int, dim: int, size: int, device: torch.device = torch.device("cpu")) -> torch.Tensor:
+    """P [dim, size] with unit-norm Gaussian rows, the same for every party sharing `seed`:
+    drawn on the host, uploaded once per device."""
+    if device.type != "cpu":
+        return projection(seed, dim, size).to(device)
     key = np.random.SeedSequence([seed, PROJECTION_STREAM]).generate_state(1)[0]
     rows = torch.randn(dim, size, generator=torch.Generator().manual_seed(int(key)))
     return rows / rows.norm(dim=1, keepdim=True)
@@ -85,7 +88,7 @@ class LpProj(PersonalModels, Algorithm):
     def client_update(self, trainer, payload, state):
         hp, personal = self.hp, state["personal"]
         size = sum(v[0].numel() for v in personal.values())
-        proj = projection(trainer.seed, hp.dim, size).to(payload["w"].device)
+        proj = projection(trainer.seed, hp.dim, size, payload["w"].device)
         w = payload["w"].expand(len(trainer.client_ids), hp.dim)
         for r in range(hp.local_rounds):
             personal = trainer.fit(personal, coupled(hp.lam, proj), aux={"w": w}, stream=r)

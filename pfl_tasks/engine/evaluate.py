@@ -12,7 +12,7 @@ from torch.func import functional_call, vmap
 
 from pfl_tasks.data import ClientSplit
 from pfl_tasks.engine.executor import per_sample_loss
-from pfl_tasks.engine.state import Tree
+from pfl_tasks.engine.state import Tree, to_device, to_host
 
 SAMPLE_BLOCK = 512  # test rows per client per forward pass: bounds memory for big clients
 
@@ -24,10 +24,12 @@ def evaluate_clients(
 ) -> dict[str, torch.Tensor]:
     """Per-client test metrics for `client_ids`, as tensors [K]: n, and loss and accuracy
     (classification) or mse (regression). `params` is a stack [K, ...] or one shared model;
-    `forward(net, params, x)` gives one client's outputs (default: the net itself)."""
+    `forward(net, params, x)` gives one client's outputs (default: the net itself). `test`
+    holds its samples on the device, its offsets and counts (and `client_ids`) on the host."""
     device = test.x.device
-    offsets = test.offsets[client_ids].to(device)
-    counts = test.counts[client_ids].to(device)
+    client_ids = client_ids.cpu()
+    longest = int(test.counts[client_ids].max())
+    offsets, counts = to_device({"o": test.offsets[client_ids], "n": test.counts[client_ids]}, device).values()
     k = len(client_ids)
     loss_sum = torch.zeros(k, device=device)
     correct = torch.zeros(k, device=device)
@@ -36,9 +38,9 @@ def evaluate_clients(
         return forward(net, p, x) if forward else functional_call(net, p, (x,))
 
     batched = vmap(client_outputs, in_dims=(0 if stacked else None, 0))
-    for start in range(0, int(counts.max()), SAMPLE_BLOCK):
+    for start in range(0, longest, SAMPLE_BLOCK):
         pos = torch.arange(start, start + SAMPLE_BLOCK, device=device)[None, :]
-        width = min(SAMPLE_BLOCK, int(counts.max()) - start)
+        width = min(SAMPLE_BLOCK, longest - start)
         pos = pos[:, :width]
         valid = pos < counts[:, None]
         rows = torch.where(valid, offsets[:, None] + pos, offsets[:, None])
@@ -50,8 +52,8 @@ def evaluate_clients(
             correct += ((out.argmax(-1) == y) & valid).sum(1)
     n = counts.to(loss_sum.dtype)
     if task == "classification":
-        return {"n": n.cpu(), "loss": (loss_sum / n).cpu(), "acc": (correct / n).cpu()}
-    return {"n": n.cpu(), "mse": (loss_sum / n).cpu()}
+        return to_host({"n": n, "loss": loss_sum / n, "acc": correct / n})
+    return to_host({"n": n, "mse": loss_sum / n})
 
 
 HIGHER_IS_BETTER = {"acc": True, "loss": False, "mse": False}

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Callable
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import torch
@@ -26,7 +26,7 @@ from torch.func import functional_call, grad, vmap
 from pfl_tasks.config import LocalConfig
 from pfl_tasks.data import ClientSplit
 from pfl_tasks.engine import optim
-from pfl_tasks.engine.state import Params, Stack, Tree, tree_map, tree_zip, where_active
+from pfl_tasks.engine.state import Params, Stack, Tree, to_device, tree_map, tree_zip, where_active
 
 DataLoss = Callable[[Params], torch.Tensor]
 Objective = Callable[[DataLoss, Params, Tree], torch.Tensor]
@@ -59,9 +59,23 @@ def client_seed(seed: int, round_idx: int, client_id: int, stream: int) -> int:
 
 @dataclass(frozen=True)
 class Schedule:
+    """On the host. A client's real entries of a step come first (`mask` is a prefix)."""
+
     index: torch.Tensor  # [K, S, B] row offsets inside each client's split (0 where padded)
     mask: torch.Tensor  # [K, S, B] real (not padded) batch entries
     active: torch.Tensor  # [K, S] steps inside each client's budget
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """One step of a vectorized fit, its tensors already on the device: the chunk's rows of
+    the flat split, which entries are real, which clients are still within their budget
+    (None: all), and the real rows in all (for the compute accounting)."""
+
+    rows: torch.Tensor  # [K, B]
+    mask: torch.Tensor  # [K, B]
+    active: torch.Tensor | None  # [K]
+    samples: int
 
 
 def _mix(x: np.ndarray) -> np.ndarray:
@@ -113,22 +127,29 @@ def per_sample_loss(task: str, out: torch.Tensor, y: torch.Tensor) -> torch.Tens
 
 
 class LocalTrainer(ABC):
-    """Trains stacked client parameters on a chunk's own data (base of both executors)."""
+    """Trains stacked client parameters on a chunk's own data (base of both executors).
+    `train` holds its samples on the device and its offsets and counts on the host: the
+    schedule is built on the host and uploaded once per fit, so no step waits on the device."""
 
     def __init__(
         self, net: nn.Module, task: str, train: ClientSplit, client_ids: torch.Tensor,
         local: LocalConfig, seed: int, round_idx: int,
     ):
         self.net, self.task, self.train, self.local = net, task, train, local
-        self.client_ids, self.seed, self.round_idx = client_ids, seed, round_idx
-        self.offsets = train.offsets[client_ids]
-        self.counts = train.counts[client_ids]
+        self.client_ids, self.seed, self.round_idx = client_ids.cpu(), seed, round_idx
+        self.device = train.x.device
+        self.offsets = train.offsets[self.client_ids]
+        self.counts = train.counts[self.client_ids]
         # compute spent: samples x forward-backward passes, summed over the chunk's clients
         self.grad_samples = 0
         self._passes = 0  # of the vectorized step being traced
 
     def schedule(self, stream: int, local: LocalConfig) -> Schedule:
         return batch_schedule(self.counts, self.client_ids, local, self.seed, self.round_idx, stream)
+
+    def _rows(self, sched: Schedule) -> torch.Tensor:
+        """[K, S, B] rows of the flat split, on the device (one upload)."""
+        return to_device({"rows": self.offsets[:, None, None] + sched.index}, self.device)["rows"]
 
     @abstractmethod
     def fit(
@@ -182,12 +203,11 @@ class VectorizedTrainer(LocalTrainer):
 
         grads_of = vmap(grad(client_objective))
         opt_state = optim.init_state(local.optimizer, train)
-        samples = sched.mask.sum((0, 2)).tolist()
-        for s, active in enumerate(self._active(sched)):
-            x, y, mask = self._batch(sched, s)
-            g = grads_of(train, frozen, x, y, mask.to(x.dtype), aux)
-            self._count_step(samples[s])
-            train, opt_state = optim.step(local.optimizer, train, g, opt_state, s, active)
+        for s, plan in enumerate(self._plan(sched)):
+            x, y = self.train.x[plan.rows], self.train.y[plan.rows]
+            g = grads_of(train, frozen, x, y, plan.mask, aux)
+            self._count_step(plan.samples)
+            train, opt_state = optim.step(local.optimizer, train, g, opt_state, s, plan.active)
         return {**frozen, **train}
 
     def scan(self, carry, step, aux=None, stream=0, local=None, per_step=None):
@@ -204,25 +224,23 @@ class VectorizedTrainer(LocalTrainer):
             return step(c, data_loss, a, Batch(x, y, weight, extra, self._record_pass))
 
         stepped = vmap(client_step)
-        samples = sched.mask.sum((0, 2)).tolist()
-        for s, active in enumerate(self._active(sched)):
-            x, y, mask = self._batch(sched, s)
+        per_step = to_device(per_step, self.device)
+        for s, plan in enumerate(self._plan(sched)):
+            x, y = self.train.x[plan.rows], self.train.y[plan.rows]
             extra = tree_map(lambda t: t[:, s], per_step)
-            new = stepped(carry, x, y, mask.to(x.dtype), aux or {}, extra)
-            self._count_step(samples[s])
-            carry = tree_zip(lambda n, o: where_active(active, n, o), new, carry)
+            new = stepped(carry, x, y, plan.mask, aux or {}, extra)
+            self._count_step(plan.samples)
+            carry = tree_zip(lambda n, o: where_active(plan.active, n, o), new, carry)
         return carry
 
-    def _active(self, sched: Schedule) -> list[torch.Tensor | None]:
-        """Per step, the mask of clients still within their budget; None where all are."""
-        device = self.train.x.device
+    def _plan(self, sched: Schedule) -> list[StepPlan]:
+        """Every step's tensors, uploaded in one go; the per-step facts read on the host."""
+        rows = self._rows(sched)
+        up = to_device({"mask": sched.mask.to(self.train.x.dtype), "active": sched.active}, self.device)
         everyone = sched.active.all(0).tolist()
-        return [None if all_in else sched.active[:, s].to(device) for s, all_in in enumerate(everyone)]
-
-    def _batch(self, sched: Schedule, s: int):
-        device = self.train.x.device
-        idx = self.offsets.to(device)[:, None] + sched.index[:, s].to(device)
-        return self.train.x[idx], self.train.y[idx], sched.mask[:, s].to(device)
+        samples = sched.mask.sum((0, 2)).tolist()
+        return [StepPlan(rows[:, s], up["mask"][:, s], None if everyone[s] else up["active"][:, s], samples[s])
+                for s in range(len(samples))]
 
 
 class SequentialTrainer(LocalTrainer):
@@ -234,12 +252,12 @@ class SequentialTrainer(LocalTrainer):
         keys = trainable if trainable is not None else set(params)
         aux = aux or {}
         out = {k: torch.empty_like(v) for k, v in params.items()}
+        batches = self._batches(sched)
         for i in range(len(self.client_ids)):
             p = {k: v[i].detach().clone().requires_grad_(k in keys) for k, v in params.items()}
             opt = optim.torch_optimizer(local.optimizer, [p[k] for k in sorted(keys)])
             aux_i = tree_map(lambda t: t[i], aux)
-            for s in range(int(sched.active[i].sum())):
-                x, y = self._batch(sched, i, s)
+            for x, y in batches(i):
                 opt.zero_grad()
                 loss = objective(self._data_loss(x, y), p, aux_i)
                 loss.backward()
@@ -250,13 +268,13 @@ class SequentialTrainer(LocalTrainer):
 
     def scan(self, carry, step, aux=None, stream=0, local=None, per_step=None):
         sched = self.schedule(stream, local or self.local)
-        per_step = per_step(*sched.index.shape[1:]) if per_step else {}
+        per_step = to_device(per_step(*sched.index.shape[1:]) if per_step else {}, self.device)
+        batches = self._batches(sched)
         rows = []
         for i in range(len(self.client_ids)):
             c = tree_map(lambda t: t[i], carry)
             a = tree_map(lambda t: t[i], aux or {})
-            for s in range(int(sched.active[i].sum())):
-                x, y = self._batch(sched, i, s)
+            for s, (x, y) in enumerate(batches(i)):
                 extra = tree_map(lambda t: t[i, s, : len(y)], per_step)
                 weight = torch.full((len(y),), 1 / len(y), device=x.device)
                 c = step(c, self._data_loss(x, y), a, Batch(x, y, weight, extra, self._recorder(len(y))))
@@ -278,10 +296,18 @@ class SequentialTrainer(LocalTrainer):
 
         return data_loss
 
-    def _batch(self, sched: Schedule, i: int, s: int):
-        """Client i's real (unpadded) minibatch of step s."""
-        rows = int(self.offsets[i]) + sched.index[i, s][sched.mask[i, s]].to(self.train.x.device)
-        return self.train.x[rows], self.train.y[rows]
+    def _batches(self, sched: Schedule) -> Callable[[int], Iterator[tuple[torch.Tensor, torch.Tensor]]]:
+        """Client i's real (unpadded) minibatches, step by step; the rows uploaded once."""
+        rows = self._rows(sched)
+        sizes = sched.mask.sum(-1).tolist()  # [K][S] real entries: a prefix of each step's slots
+        steps = sched.active.sum(1).tolist()
+
+        def batches(i: int):
+            for s in range(steps[i]):
+                r = rows[i, s, : sizes[i][s]]
+                yield self.train.x[r], self.train.y[r]
+
+        return batches
 
 
 def make_trainer(executor: str, *args, **kwargs) -> LocalTrainer:

@@ -64,7 +64,22 @@ def weighted_mean(stack: Tree, weights: torch.Tensor) -> Tree:
 
 
 def to_device(tree: Tree, device: torch.device | str) -> Tree:
-    return tree_map(lambda t: t.to(device), tree)
+    """`tree` on `device`; from the host to a GPU through pinned memory, without blocking."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return tree_map(lambda t: t.to(device), tree)
+    return tree_map(lambda t: t if t.device == device else
+                    (t if t.is_pinned() else t.pin_memory()).to(device, non_blocking=True), tree)
+
+
+def to_host(tree: Tree) -> Tree:
+    """`tree` on the CPU; from a GPU into pinned memory (what the next upload copies from
+    without blocking), with one wait for all the copies."""
+    if not any(t.is_cuda for _, t in leaves(tree)):
+        return tree
+    out = tree_map(lambda t: t.to("cpu", non_blocking=True), tree)
+    torch.cuda.current_stream().synchronize()
+    return out
 
 
 def per_row(values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

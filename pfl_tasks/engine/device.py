@@ -1,0 +1,50 @@
+"""Where the engine computes, and the numerics it promises there.
+
+On CUDA, `configure` makes a process's kernels deterministic (with cuBLAS's fixed workspace)
+and makes TF32 an explicit choice, so a rerun or a resume on the same GPU, torch and CUDA is
+bit-identical; `platform` names all of that for the run's checkpoint and MLflow tags. A CPU
+run is bit-identical on the same torch build. Across devices results agree only to rounding.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from pfl_tasks.config import EngineConfig
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("engine.device is 'cuda' but no CUDA device is available")
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(name)
+
+
+def configure(engine: EngineConfig, device: torch.device) -> None:
+    """Process-wide numerics for computing on `device` (nothing to set on the CPU)."""
+    if device.type != "cuda":
+        return
+    # read when cuBLAS creates its handle: before this process's first GPU matmul
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(engine.deterministic)
+    torch.backends.cudnn.deterministic = engine.deterministic
+    torch.backends.cudnn.benchmark = not engine.deterministic
+    torch.backends.cuda.matmul.allow_tf32 = engine.tf32
+    torch.backends.cudnn.allow_tf32 = engine.tf32
+
+
+def platform(engine: EngineConfig, device: torch.device) -> dict[str, str]:
+    """What a run's numbers depend on besides its configuration and code."""
+    facts = {"device": device.type, "torch": torch.__version__}
+    if device.type == "cuda":
+        facts |= {"gpu": torch.cuda.get_device_name(device), "cuda": str(torch.version.cuda),
+                  "cudnn": str(torch.backends.cudnn.version()), "tf32": str(engine.tf32),
+                  "deterministic": str(engine.deterministic)}
+    return facts
+
+
+def describe(facts: dict[str, str]) -> str:
+    return ", ".join(f"{key} {value}" for key, value in facts.items())
