@@ -11,8 +11,10 @@ by side in this one run: repetitions interleave the setups, and each time is a m
 
     make bench                        # = python -m bench.run
     python -m bench.run --quick       # smaller K and reps: a smoke run
+    python -m bench.run --device cuda # the GPU check (bench/gpu.py), about 5 minutes
 
-Writes bench/results/<date>-<host>.json, .md and .png and prints the table.
+Writes bench/results/<date>-<host>.json, .md and .png (-cuda.json and .md for the GPU check)
+and prints the table. Only P2 and the profile need Prefect and MLflow.
 """
 
 from __future__ import annotations
@@ -33,12 +35,10 @@ import tempfile
 import time
 from pathlib import Path
 
-import flows  # noqa: F401  (environment defaults)
 import torch
 
-from flows.train import InlineSteps, PrefectSteps, RoundSteps, run_round
 from pfl_tasks.algorithms import build
-from pfl_tasks.algorithms.federation import Federation
+from pfl_tasks.algorithms.federation import Federation, InlineSteps, run_round
 from pfl_tasks.config import TrackingConfig, load_params, parse_params
 from pfl_tasks.data import ClientSplit, FederatedData
 from pfl_tasks.engine.state import tree_bytes
@@ -69,13 +69,15 @@ def digits_shaped(n_clients: int, per_client: int, image: bool, seed: int = 0) -
                          "bench")
 
 
-def experiment(model: str, executor: str, clients_per_round: int, chunk_size: int = 128):
+def experiment(model: str, executor: str, clients_per_round: int, chunk_size: int = 128, device: str = "cpu",
+               **engine):
     params = parse_params({
         "datasets": {"bench": {"source": {"name": "digits"}}},
         "experiments": {"bench": {"dataset": "bench", "model": MODELS[model]}},
         "federation": {"rounds": 1, "clients_per_round": clients_per_round},
         "local": {"steps": 10, "batch_size": 32, "optimizer": {"lr": 0.05}},
-        "engine": {"executor": executor, "device": "auto", "orchestrator": "inline", "chunk_size": chunk_size},
+        "engine": {"executor": executor, "device": device, "orchestrator": "inline", "chunk_size": chunk_size,
+                   **engine},
         "algorithms": HYPER,
     })
     return params.experiment("bench")
@@ -106,13 +108,13 @@ def one_round(fed: Federation):
 
 
 # ----------------------------------------------------------------------------- P1
-def p1(reps: int, ks: list[int]) -> list[dict]:
+def p1(reps: int, ks: list[int], device: str = "cpu") -> list[dict]:
     cases = [("fedavg", "mlp", k) for k in ks] + [(alg, "mlp", ks[0]) for alg in ("fedprox", "ditto", "pfedme")]
     cases.append(("fedavg", "cnn", ks[0]))
     rows = []
     for alg, model, k in cases:
         data = digits_shaped(k, 50, image=model == "cnn")
-        feds = {ex: Federation(experiment(model, ex, k), build(alg, HYPER[alg]), data)
+        feds = {ex: Federation(experiment(model, ex, k, device=device), build(alg, HYPER[alg]), data)
                 for ex in ("sequential", "vectorized")}
         t = interleaved({ex: one_round(fed) for ex, fed in feds.items()}, reps)
         rows.append({"case": f"P1 {alg} {model} K={k}", "sequential_s": t["sequential"],
@@ -157,6 +159,7 @@ def p2(reps: int, rounds: int) -> list[dict]:
     from prefect.task_runners import ThreadPoolTaskRunner
 
     from flows.prepare import prepare
+    from flows.train import PrefectSteps, RoundSteps
 
     params = load_params("params.yaml")
     exp = params.experiment("digits").model_copy(update={"seed": 0})
@@ -197,10 +200,10 @@ def p2(reps: int, rounds: int) -> list[dict]:
 
 
 # ----------------------------------------------------------------------------- P3
-def p3(reps: int, ns: list[int], k: int) -> dict:
+def p3(reps: int, ns: list[int], k: int, device: str = "cpu") -> dict:
     feds = {}
     for n in ns:
-        fed = Federation(experiment("mlp100k", "vectorized", k), build("ditto", HYPER["ditto"]),
+        fed = Federation(experiment("mlp100k", "vectorized", k, device=device), build("ditto", HYPER["ditto"]),
                          digits_shaped(n, 20, image=False))
         feds[n] = (fed, fed.initial_state())
     t = interleaved({n: (lambda f=f, s=s: run_round(InlineSteps(f.exp.engine.max_workers), f, s, 0))
@@ -210,7 +213,7 @@ def p3(reps: int, ns: list[int], k: int) -> dict:
     biggest.evaluate(state)
     eval_s = time.perf_counter() - start
     params = sum(v.numel() for v in state.server["global"].values()) if "global" in state.server else None
-    row = {"case": f"P3 ditto mlp100k K={k}", "params": params,
+    row = {"case": f"P3 ditto mlp100k K={k} on {device}", "params": params,
            "round_s": {str(n): t[n] for n in ns}, "ratio": max(t.values()) / min(t.values()), "target_max": 1.2,
            "clients_state_bytes": tree_bytes(state.clients), "evaluate_all_s": eval_s,
            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
@@ -328,11 +331,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="K=20/100 and N up to 1,000: a smoke run")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="cuda: the GPU check instead (bench/gpu.py: tests, P1/P3, CPU vs CUDA, traffic, determinism)")
     args = parser.parse_args(argv)
     if args.reps < 5 and not args.quick:
         parser.error("--reps must be at least 5")
     reps = 2 if args.quick else args.reps
     result = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "machine": machine(), "reps": reps}
+    if args.device == "cuda":
+        from bench import gpu
+
+        return gpu.main(result, RESULTS)
+    import flows  # noqa: F401  (environment defaults for Prefect and MLflow)
     print("P1 vectorized vs sequential", flush=True)
     result["p1"] = p1(reps, [20, 100] if args.quick else [100, 1000])
     print("P2 Prefect vs inline", flush=True)

@@ -15,7 +15,6 @@ import argparse
 import contextlib
 import json
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import flows  # noqa: F401  (environment defaults)
@@ -24,7 +23,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from pfl_tasks.algorithms import build, validate_params
-from pfl_tasks.algorithms.federation import Federation, RunState
+from pfl_tasks.algorithms.federation import Federation, InlineSteps, RunState, run_round
 from flows.stage import prefect_api, stage_main
 from pfl_tasks.config import (
     ConfigError, EngineConfig, ResolvedExperiment, TrackingConfig, config_hash, load_params,
@@ -51,15 +50,6 @@ from pfl_tasks.tracking import (
 )
 
 # ----------------------------------------------------------------------------- round steps
-def run_round(steps, fed: Federation, state: RunState, round_idx: int) -> RunState:
-    ids = steps.sample(fed, round_idx)
-    if len(ids) == 0:  # every sampled client dropped out: nothing to aggregate
-        return RunState(state.round + 1, state.server, state.clients)
-    payload = fed.algorithm.payload(state.server)
-    results = steps.local_updates(fed, round_idx, payload, fed.chunks(ids), state.clients)
-    return steps.aggregate(fed, round_idx, state, results)
-
-
 TASK_OPTIONS = dict(cache_policy=NO_CACHE, persist_result=False)
 
 
@@ -161,36 +151,6 @@ def ray_gpus(engine: EngineConfig, device) -> float:
                           f"offers {offered:g} GPUs and a chunk asks for engine.gpus_per_chunk="
                           f"{engine.gpus_per_chunk:g}; set engine.device: cpu or add GPU nodes")
     return engine.gpus_per_chunk
-
-
-class InlineSteps:
-    """The same steps as plain calls (chunks on a thread pool): no orchestration cost."""
-
-    def __init__(self, max_workers: int):
-        self.max_workers = max_workers
-
-    round = run_round
-
-    def sample(self, fed, round_idx):
-        return fed.sample_clients(round_idx)
-
-    def local_updates(self, fed, round_idx, payload, chunks, clients):
-        def one(ids):
-            return fed.local_update(round_idx, payload, ids, gather(clients, ids))
-
-        if len(chunks) == 1:
-            return [one(chunks[0])]
-        with ThreadPoolExecutor(self.max_workers) as pool:
-            return list(pool.map(one, chunks))
-
-    def aggregate(self, fed, round_idx, state, results):
-        return fed.aggregate(state, results)
-
-    def evaluate(self, fed, round_idx, state):
-        return fed.evaluate(state)
-
-    def checkpoint(self, path, round_idx, payload):
-        save_checkpoint(path, payload)
 
 
 class RoundSteps:

@@ -81,7 +81,8 @@ def tiny_federation(data, algorithm, executor="vectorized", device="cpu", hp=Non
 
 
 def run_rounds(fed, state, start: int, stop: int):
-    from flows.train import InlineSteps, run_round
+    """Rounds `start` to `stop` inline (no Prefect: runs where only torch and the library are)."""
+    from pfl_tasks.algorithms.federation import InlineSteps, run_round
 
     for r in range(start, stop):
         state = run_round(InlineSteps(2), fed, state, r)

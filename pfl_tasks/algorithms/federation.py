@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -19,6 +20,7 @@ import torch
 from pfl_tasks.algorithms.base import Algorithm, Facts
 from pfl_tasks.config import ConfigError, ResolvedExperiment
 from pfl_tasks.data import ClientSplit, FederatedData
+from pfl_tasks.engine.checkpoint import save_checkpoint
 from pfl_tasks.engine.device import configure, platform, resolve_device
 from pfl_tasks.engine.evaluate import evaluate_clients
 from pfl_tasks.engine.executor import make_trainer
@@ -222,6 +224,48 @@ class Federation:
 class Evaluation:
     metrics: dict[str, dict[str, dict[str, torch.Tensor]]]  # split -> personalized/global -> metric -> [N]
     grad_samples: int  # compute spent personalizing every client (fine-tuning), 0 for most methods
+
+
+# ----------------------------------------------------------------------------- one round
+def run_round(steps, fed: Federation, state: RunState, round_idx: int) -> RunState:
+    """Sample, local updates per chunk, aggregate: each through `steps` (plain calls, or the
+    Prefect tasks of `flows.train`)."""
+    ids = steps.sample(fed, round_idx)
+    if len(ids) == 0:  # every sampled client dropped out: nothing to aggregate
+        return RunState(state.round + 1, state.server, state.clients)
+    payload = fed.algorithm.payload(state.server)
+    results = steps.local_updates(fed, round_idx, payload, fed.chunks(ids), state.clients)
+    return steps.aggregate(fed, round_idx, state, results)
+
+
+class InlineSteps:
+    """The same steps as plain calls (chunks on a thread pool): no orchestration cost."""
+
+    def __init__(self, max_workers: int):
+        self.max_workers = max_workers
+
+    round = run_round
+
+    def sample(self, fed, round_idx):
+        return fed.sample_clients(round_idx)
+
+    def local_updates(self, fed, round_idx, payload, chunks, clients):
+        def one(ids):
+            return fed.local_update(round_idx, payload, ids, gather(clients, ids))
+
+        if len(chunks) == 1:
+            return [one(chunks[0])]
+        with ThreadPoolExecutor(self.max_workers) as pool:
+            return list(pool.map(one, chunks))
+
+    def aggregate(self, fed, round_idx, state, results):
+        return fed.aggregate(state, results)
+
+    def evaluate(self, fed, round_idx, state):
+        return fed.evaluate(state)
+
+    def checkpoint(self, path, round_idx, payload):
+        save_checkpoint(path, payload)
 
 
 _UPLOADED: dict[tuple[str, str], tuple] = {}  # (federation token, device) -> its samples there, per process
