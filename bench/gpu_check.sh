@@ -33,7 +33,7 @@ $PY -c 'import pydantic, pandera, sklearn, pytest' || { echo "ABORT: missing pac
 
 timeout 540 $PY -m bench.run --device cuda 2>&1 | tee "$OUT/gpu_check.log"
 status=${PIPESTATUS[0]}
-newest=$(ls -t bench/results/*-cuda.json 2>/dev/null | head -1)
+newest=$(ls -t bench/results/*-cuda.json 2>/dev/null | head -1)  # written after each section
 [ -n "$newest" ] && cp "$newest" "${newest%.json}.md" "$OUT/"
 echo "gpu check exit: $status"
 exit "$status"

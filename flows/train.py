@@ -113,9 +113,8 @@ class PrefectSteps:
 class RaySteps(PrefectSteps):
     """For the Ray task runner: what every chunk shares goes into Ray's object store once (the
     federation, with its data, once per run; the server payload once per round) and chunks
-    receive references. On a CUDA engine a chunk asks for `engine.gpus_per_chunk` of a GPU;
-    workers are reused across chunks and rounds (Ray's default for GPU tasks is a fresh
-    process each), upload the run's samples once, and send their results back on the host."""
+    receive references; workers upload a run's samples once and send their results back on
+    the host (`ray_options`: GPUs and worker reuse)."""
 
     local_update = staticmethod(remote_local_update)
 
@@ -125,7 +124,7 @@ class RaySteps(PrefectSteps):
     def local_updates(self, fed, round_idx, payload, chunks, clients):
         from prefect_ray.context import remote_options
 
-        with remote_options(num_gpus=ray_gpus(fed.exp.engine, fed.device), max_calls=0):
+        with remote_options(**ray_options(fed.exp.engine, fed.device)):
             return super().local_updates(fed, round_idx, payload, chunks, clients)
 
     def shared(self, value):
@@ -138,11 +137,14 @@ class RaySteps(PrefectSteps):
         return ray.put(value)
 
 
-def ray_gpus(engine: EngineConfig, device) -> float:
-    """A chunk's GPU request: its share on a CUDA engine, none on the CPU; a cluster without
-    that much GPU is refused (Ray would keep the tasks pending forever)."""
+def ray_options(engine: EngineConfig, device) -> dict:
+    """A chunk task's Ray options. On a CUDA engine it asks for `engine.gpus_per_chunk` of a
+    GPU, and a cluster offering less is refused (Ray would keep the tasks pending forever).
+    Workers are reused across chunks and rounds (no new process and CUDA context per chunk)
+    unless a node has several GPUs: a reused worker keeps the GPU of its first task, so there
+    each GPU task gets a fresh process (Ray's own default), which sees the GPU it was given."""
     if device.type != "cuda":
-        return 0
+        return {"num_gpus": 0}
     import ray
 
     offered = ray.cluster_resources().get("GPU", 0)
@@ -150,7 +152,8 @@ def ray_gpus(engine: EngineConfig, device) -> float:
         raise ConfigError(f"engine.device resolves to cuda, but the Ray cluster ({engine.ray_address or 'local'}) "
                           f"offers {offered:g} GPUs and a chunk asks for engine.gpus_per_chunk="
                           f"{engine.gpus_per_chunk:g}; set engine.device: cpu or add GPU nodes")
-    return engine.gpus_per_chunk
+    per_node = max(node["Resources"].get("GPU", 0) for node in ray.nodes() if node["Alive"])
+    return {"num_gpus": engine.gpus_per_chunk, "max_calls": 0 if per_node <= 1 else 1}
 
 
 class RoundSteps:

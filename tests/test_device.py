@@ -2,6 +2,8 @@
 algorithm, CUDA against the CPU, reruns and resumes bit-identical, client stacks on the host
 or the GPU, and no value read back to the host inside the local step loop."""
 
+import warnings
+
 import pytest
 import torch
 from torch.overrides import TorchFunctionMode
@@ -87,15 +89,19 @@ def test_client_stacks_on_the_gpu_are_refused_with_ray():
 
 def test_ray_chunks_ask_for_the_gpu_only_on_a_cuda_engine(monkeypatch):
     ray = pytest.importorskip("ray")
-    from flows.train import ray_gpus
+    from flows.train import ray_options
 
     engine = EngineConfig(gpus_per_chunk=0.25)
-    assert ray_gpus(engine, torch.device("cpu")) == 0
-    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 8.0, "GPU": 1.0})
-    assert ray_gpus(engine, torch.device("cuda")) == 0.25
+    assert ray_options(engine, torch.device("cpu")) == {"num_gpus": 0}
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 8.0, "GPU": 2.0})
+    nodes = [{"Alive": True, "Resources": {"CPU": 4.0, "GPU": 1.0}}, {"Alive": False, "Resources": {"GPU": 4.0}}]
+    monkeypatch.setattr(ray, "nodes", lambda: nodes)
+    assert ray_options(engine, torch.device("cuda", 0)) == {"num_gpus": 0.25, "max_calls": 0}  # workers reused
+    nodes[1]["Alive"] = True  # a node with several GPUs: a fresh process per GPU task
+    assert ray_options(engine, torch.device("cuda", 0)) == {"num_gpus": 0.25, "max_calls": 1}
     monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 8.0})
     with pytest.raises(ConfigError, match="offers 0 GPUs"):
-        ray_gpus(engine, torch.device("cuda"))
+        ray_options(engine, torch.device("cuda", 0))
 
 
 # ----------------------------------------------------------------------------- device discipline
@@ -120,21 +126,42 @@ class HostReads(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("executor", ["vectorized", "sequential"])
-@pytest.mark.parametrize("algorithm", EVERY_ALGORITHM)
-def test_the_local_step_loop_never_reads_values_back(digits6, executor, algorithm):
-    """A chunk's local work and its evaluation-time personalization read the same number of
-    values back to the host whatever the number of local steps: nothing inside the step loop
-    waits for the device."""
+def reads_during(fn, device: str) -> int:
+    """Host reads in fn(), and on CUDA also the synchronizations no Python call shows."""
+    with HostReads() as reads, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if device == "cuda":
+            torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            if device == "cuda":
+                torch.cuda.set_sync_debug_mode("default")
+    return reads.calls + sum("synchroniz" in str(w.message) for w in caught)
 
-    def host_reads(steps: int) -> int:
-        fed = tiny_federation(digits6, algorithm, executor, hp=HP.get(algorithm), local={"steps": steps})
+
+@pytest.mark.parametrize("budget", [{"steps": 2}, {"epochs": 1}])  # epochs: clients leave the loop unevenly
+@pytest.mark.parametrize("executor", ["vectorized", "sequential"])
+@pytest.mark.parametrize("algorithm", [a for a in EVERY_ALGORITHM if a != "l2sgd"])  # L2SGD: one step a round
+def test_the_local_step_loop_never_reads_values_back(digits6, device, executor, algorithm, budget):
+    """A chunk's local work and its evaluation-time personalization read the same number of
+    values back to the host whatever the number of local steps (a budget 3x as long): nothing
+    inside the step loop waits for the device."""
+
+    def reads_and_compute(scale: int) -> tuple[int, int]:
+        local = {key: value * scale for key, value in budget.items()}
+        fed = tiny_federation(digits6, algorithm, executor, device, HP.get(algorithm), local=local)
         state = fed.initial_state()
         ids = fed.sample_clients(0)
         payload = fed.algorithm.payload(state.server)
-        with HostReads() as reads:
-            fed.local_update(0, payload, ids, gather(state.clients, ids))
-            fed.personalized_models(state, ids)
-        return reads.calls
+        done = {}
 
-    assert host_reads(2) == host_reads(5)
+        def work():
+            done["update"] = fed.local_update(0, payload, ids, gather(state.clients, ids))
+            done["personalize"] = fed.personalized_models(state, ids)[2]
+
+        return reads_during(work, device), done["update"].grad_samples + done["personalize"]
+
+    (short_reads, short_compute), (long_reads, long_compute) = reads_and_compute(1), reads_and_compute(3)
+    assert long_compute > short_compute  # the longer budget did run more steps
+    assert long_reads == short_reads

@@ -95,6 +95,8 @@ class Federation:
     def __setstate__(self, state: dict) -> None:
         """Unpickled in a worker: the samples go to its device once per run, not once per chunk."""
         self.__dict__.update(state)
+        if self.device.type == "cuda":  # the worker's own GPU (Ray shows each worker the one it assigned)
+            self.device = resolve_device("cuda")
         configure(self.exp.engine, self.device)
         key = self._token, str(self.device)
         if key not in _UPLOADED:
@@ -280,6 +282,6 @@ def _from_arrays(arrays: tuple):
 
 
 def _split_to(split, device):
-    """The samples on `device`; offsets and counts stay on the host, where schedules are built."""
-    x, y = to_device({"x": split.x, "y": split.y}, device).values()
-    return type(split)(x, y, split.offsets, split.counts)
+    """The samples on `device` (one plain copy a run: no pinned buffer kept for it); offsets
+    and counts stay on the host, where schedules are built."""
+    return type(split)(split.x.to(device), split.y.to(device), split.offsets, split.counts)

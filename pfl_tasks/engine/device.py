@@ -20,11 +20,14 @@ def resolve_device(name: str) -> torch.device:
         raise RuntimeError("engine.device is 'cuda' but no CUDA device is available")
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
-    return torch.device(name)
+    # indexed, as the device of a tensor on it is: `t.device == device` must hold there
+    return torch.device("cuda", torch.cuda.current_device()) if name == "cuda" else torch.device(name)
 
 
 def configure(engine: EngineConfig, device: torch.device) -> None:
-    """Process-wide numerics for computing on `device` (nothing to set on the CPU)."""
+    """Process-wide numerics for computing on `device` (nothing to set on the CPU). They stay
+    set for the process: a CPU run after a CUDA one in the same process keeps deterministic
+    mode on, which changes none of its numbers."""
     if device.type != "cuda":
         return
     # read when cuBLAS creates its handle: before this process's first GPU matmul

@@ -35,7 +35,17 @@ def replicate(params: Tree, k: int) -> Tree:
 
 
 def gather(stack: Tree, index: torch.Tensor) -> Tree:
-    return tree_map(lambda t: t[index.to(t.device)], stack)
+    """Rows `index` of every stack; rows of a pinned stack into pinned memory (a GPU copies
+    them without blocking or another host copy)."""
+
+    def take(t: torch.Tensor) -> torch.Tensor:
+        rows = index.to(t.device)
+        if not t.is_pinned():
+            return t[rows]
+        out = torch.empty((len(rows), *t.shape[1:]), dtype=t.dtype, pin_memory=True)
+        return torch.index_select(t, 0, rows, out=out)
+
+    return tree_map(take, stack)
 
 
 def scatter_(stack: Tree, index: torch.Tensor, values: Tree) -> Tree:
@@ -68,8 +78,13 @@ def to_device(tree: Tree, device: torch.device | str) -> Tree:
     device = torch.device(device)
     if device.type != "cuda":
         return tree_map(lambda t: t.to(device), tree)
-    return tree_map(lambda t: t if t.device == device else
-                    (t if t.is_pinned() else t.pin_memory()).to(device, non_blocking=True), tree)
+
+    def upload(t: torch.Tensor) -> torch.Tensor:
+        if t.device.type == "cpu" and not t.is_pinned():
+            t = t.pin_memory()
+        return t.to(device, non_blocking=True)
+
+    return tree_map(upload, tree)
 
 
 def to_host(tree: Tree) -> Tree:
