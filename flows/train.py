@@ -53,38 +53,49 @@ from pfl_tasks.tracking import (
 TASK_OPTIONS = dict(cache_policy=NO_CACHE, persist_result=False)
 
 
-@task(**TASK_OPTIONS, task_run_name="round-{round_idx}/sample_clients")
+def in_round(step: str = ""):
+    """Task-run name of a step of round `round_idx + 1`: a round's tasks carry the number its
+    evaluation, checkpoint and log line use (round 1 is the first)."""
+
+    def name(parameters: dict) -> str:
+        return f"round-{parameters['round_idx'] + 1}" + (f"/{step.format(**parameters)}" if step else "")
+
+    return name
+
+
+@task(**TASK_OPTIONS, task_run_name=in_round("sample_clients"))
 def sample_clients(fed: Federation, round_idx: int):
     return fed.sample_clients(round_idx)
 
 
-@task(**TASK_OPTIONS, task_run_name="round-{round_idx}/local_update-chunk-{chunk_idx}")
+@task(**TASK_OPTIONS, task_run_name=in_round("local_update-chunk-{chunk_idx}"))
 def local_update(fed, round_idx: int, chunk_idx: int, payload, ids, rows):
     return fed.local_update(round_idx, payload, ids, rows)
 
 
-@task(**TASK_OPTIONS, task_run_name="round-{round_idx}/local_update-chunk-{chunk_idx}")
+@task(**TASK_OPTIONS, task_run_name=in_round("local_update-chunk-{chunk_idx}"))
 def remote_local_update(fed, round_idx: int, chunk_idx: int, payload, ids, rows):
     """`local_update` on a Ray worker: what it returns travels back on the host."""
     return fed.local_update(round_idx, payload, ids, rows).to_host()
 
 
-@task(**TASK_OPTIONS, task_run_name="round-{round_idx}/aggregate")
+@task(**TASK_OPTIONS, task_run_name=in_round("aggregate"))
 def aggregate(fed, round_idx: int, state, results):
     return fed.aggregate(state, results)
 
 
-@task(**TASK_OPTIONS, task_run_name="round-{round_idx}/evaluate")
-def evaluate(fed, round_idx: int, state):
+@task(**TASK_OPTIONS, task_run_name="round-{done}/evaluate")
+def evaluate(fed, done: int, state):
+    """The evaluation after round `done` (counted from 1)."""
     return fed.evaluate(state)
 
 
-@task(**TASK_OPTIONS, task_run_name="round-{round_idx}/checkpoint")
-def checkpoint(path: Path, round_idx: int, payload: dict):
+@task(**TASK_OPTIONS, task_run_name="round-{done}/checkpoint")
+def checkpoint(path: Path, done: int, payload: dict):
     save_checkpoint(path, payload)
 
 
-@task(**TASK_OPTIONS, task_run_name="round-{round_idx}")
+@task(**TASK_OPTIONS, task_run_name=in_round())
 def federated_round(steps, fed, round_idx: int, state):
     return run_round(steps, fed, state, round_idx)
 

@@ -34,8 +34,8 @@ def test_prefect_flow_runs_rounds_as_tasks_and_logs_to_mlflow(project, prefect_h
         assert names <= set(flow_runs)
         assert all(flow_runs[n].state.is_completed() for n in names)
         tasks = {t.name for t in client.read_task_runs()}
-    for name in ("round-0/sample_clients", "round-0/local_update-chunk-0", "round-0/local_update-chunk-1",
-                 "round-0/aggregate", "round-1/evaluate", "round-2/checkpoint"):
+    for name in ("round-1/sample_clients", "round-1/local_update-chunk-0", "round-1/local_update-chunk-1",
+                 "round-1/aggregate", "round-1/evaluate", "round-2/checkpoint"):
         assert name in tasks
 
     mlflow = MlflowClient(mlflow_uri())
@@ -113,7 +113,7 @@ def test_one_task_per_round_is_bit_identical_to_a_task_per_step(tmp_path, prepar
         time.sleep(2)
         return read()
 
-    per_round_tasks = {"round-0", "round-1", "round-1/evaluate", "round-2/evaluate", "round-2/checkpoint"}
+    per_round_tasks = {"round-1", "round-2", "round-1/evaluate", "round-2/evaluate", "round-2/checkpoint"}
     assert task_names("tiny_round-ditto-seed0", per_round_tasks) == per_round_tasks
-    per_step_tasks = {"round-0/sample_clients", "round-0/local_update-chunk-1", "round-0/aggregate"}
+    per_step_tasks = {"round-1/sample_clients", "round-1/local_update-chunk-1", "round-1/aggregate"}
     assert per_step_tasks <= task_names("tiny_steps-ditto-seed0", per_step_tasks)

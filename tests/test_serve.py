@@ -87,8 +87,8 @@ def test_served_sweep_deployment_runs_rounds_as_task_runs(project, tmp_path):
                 names = {fr.name for fr in client.read_flow_runs()}
                 tasks = {t.name for t in client.read_task_runs()}
     assert "tiny-t-fedavg-seed0" in names  # the training run, a subflow of the sweep
-    for name in ("prepare-digits", "round-0/sample_clients", "round-0/local_update-chunk-0",
-                 "round-0/local_update-chunk-1", "round-0/aggregate", "round-1/evaluate", "compare"):
+    for name in ("prepare-digits", "round-1/sample_clients", "round-1/local_update-chunk-0",
+                 "round-1/local_update-chunk-1", "round-1/aggregate", "round-1/evaluate", "compare"):
         assert name in tasks
     assert (project / "sweeps/t/metrics/tiny-t/fedavg/seed-0.json").exists()
     assert (project / "sweeps/t/reports/compare/tiny-t.md").exists()
