@@ -11,7 +11,7 @@ export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS := 120
 export MLFLOW_SERVER_ENABLE_JOB_EXECUTION := false
 
-.PHONY: run test venv bench ray
+.PHONY: run test venv bench ray check-algo
 
 venv: $(VENV)/.installed
 
@@ -31,6 +31,9 @@ $(VENV)/.ray-installed: requirements-ray.txt requirements.lock $(VENV)/.installe
 
 test: venv ray
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+check-algo: venv  # one algorithm's registry-parametrized checks: make check-algo NAME=ditto
+	$(BIN)/python -m pytest -q tests/test_engine.py tests/test_device.py --algorithm $(NAME)
 
 bench: venv  # P1-P3 ratios and a profile: bench/results/<date>-<host>.{json,md,png}
 	$(BIN)/python -m bench.run $(BENCH_ARGS)

@@ -17,6 +17,25 @@ from pfl_tasks.config import parse_params  # noqa: E402
 from pfl_tasks.data import ClientSplit, FederatedData  # noqa: E402
 
 
+def pytest_addoption(parser):
+    parser.addoption("--algorithm", help="run only the registry-parametrized cases of this algorithm "
+                                          "(make check-algo NAME=<name>)")
+
+
+def pytest_collection_modifyitems(config, items):
+    name = config.getoption("--algorithm")
+    if name is None:
+        return
+    from pfl_tasks.algorithms import ALGORITHMS
+
+    if name not in ALGORITHMS:
+        raise pytest.UsageError(f"--algorithm {name}: not registered; registered: {sorted(ALGORITHMS)}")
+    chosen = [item for item in items
+              if getattr(getattr(item, "callspec", None), "params", {}).get("algorithm") == name]
+    config.hook.pytest_deselected(items=[item for item in items if item not in chosen])
+    items[:] = chosen
+
+
 def tiny_params(**experiment_overrides) -> dict:
     """A small but complete params dict: digits over 6 Dirichlet clients, an MLP."""
     return {

@@ -30,9 +30,10 @@ def assert_identical(a: dict, b: dict):
         assert torch.equal(a[name].cpu(), b[name].cpu()), name
 
 
+@pytest.mark.parametrize("executor", ["vectorized", "sequential"])
 @pytest.mark.parametrize("algorithm", EVERY_ALGORITHM)
-def test_one_round_of_every_algorithm(digits6, device, algorithm):
-    fed = tiny_federation(digits6, algorithm, device=device, hp=HP.get(algorithm))
+def test_one_round_of_every_algorithm(digits6, device, algorithm, executor):
+    fed = tiny_federation(digits6, algorithm, executor, device, HP.get(algorithm))
     state = run_rounds(fed, fed.initial_state(), 0, 1)
     assert fed.nonfinite(state) is None
     assert all(t.device.type == device for _, t in leaves(state.server))
@@ -53,10 +54,11 @@ def test_cuda_agrees_with_the_cpu(digits6, algorithm):
         torch.testing.assert_close(runs["cuda"][name].cpu(), value, atol=1e-4, rtol=1e-3, msg=name)
 
 
-@pytest.mark.parametrize("algorithm", ["fedavg", "ditto", "pfedme", "fedcr", "fpfc", "knnper"])
+@pytest.mark.parametrize("algorithm", EVERY_ALGORITHM)
 def test_rerun_and_resume_are_bit_identical(digits6, device, algorithm, tmp_path):
     def federation():
-        return tiny_federation(digits6, algorithm, device=device, model={"kind": "cnn", "channels": [4, 8], "hidden": 16})
+        return tiny_federation(digits6, algorithm, device=device, hp=HP.get(algorithm),
+                               model={"kind": "cnn", "channels": [4, 8], "hidden": 16})
 
     fed = federation()
     full = run_rounds(fed, fed.initial_state(), 0, 4)

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from conftest import run_rounds, tiny_federation, tiny_params
+from pfl_tasks.algorithms import ALGORITHMS
 from pfl_tasks.config import parse_params
 from pfl_tasks.engine.executor import SequentialTrainer, batch_schedule
 from pfl_tasks.engine.state import tree_map
@@ -93,11 +94,8 @@ def test_epochs_budget_gives_each_client_its_own_step_count():
     assert sched.active.sum(1).tolist() == [2, 6]  # 2 * ceil(n / min(16, n))
 
 
-@pytest.mark.parametrize("algorithm", [
-    "ditto", "feddyn", "fedper", "fedrep", "pfedme", "pfedmac", "apfl", "l2sgd", "fpfc", "fedcr",
-    "fedavg_ft", "fedprox_ft", "knnper", "cfl", "lp_proj",
-])
-def test_vectorized_equals_sequential_for_seed_algorithms(digits6, algorithm, device):
+@pytest.mark.parametrize("algorithm", sorted(ALGORITHMS))
+def test_vectorized_equals_sequential_for_every_algorithm(digits6, algorithm, device):
     hp = {"feddyn": {"alpha": 0.1}}.get(algorithm, {})
     fed, vec = run(digits6, algorithm, "vectorized", hp=hp, device=device)
     _, seq = run(digits6, algorithm, "sequential", hp=hp, device=device)
