@@ -11,7 +11,7 @@ export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS := 120
 export MLFLOW_SERVER_ENABLE_JOB_EXECUTION := false
 
-.PHONY: run test venv bench ray check-algo
+.PHONY: run quick test venv bench ray check-algo
 
 venv: $(VENV)/.installed
 
@@ -22,6 +22,9 @@ $(VENV)/.installed: requirements.txt requirements.lock
 
 run: venv
 	$(BIN)/dvc repro
+
+quick: venv  # the one-minute quickstart: params-quick.yaml end to end, its outputs in quickstart/
+	$(BIN)/python -m flows.pipeline --params params-quick.yaml --root quickstart
 
 ray: $(VENV)/.ray-installed  # the optional Ray task runner
 

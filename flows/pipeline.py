@@ -30,6 +30,7 @@ from flows.tables import write_tables
 from flows.train import train_experiment
 from pfl_tasks.algorithms import validate_params
 from pfl_tasks.config import ConfigError, load_params
+from pfl_tasks.tracking import tracking_uri
 
 STEP_OPTIONS = dict(cache_policy=NO_CACHE, persist_result=False)
 prepare_step = task(prepare, **STEP_OPTIONS, task_run_name="prepare-{dataset}")
@@ -70,15 +71,38 @@ def pipeline_flow(params_path: str = "params.yaml", root: str = ".", experiments
     return compare_step(chosen, params_path, root=root)
 
 
+def where_results(params_path: str, root: str, experiments: list[str] | None) -> str:
+    """Where each result of a pipeline run is, as a table."""
+    params = load_params(params_path)
+    root_dir, uri = Path(root), tracking_uri(params.tracking.mlflow_uri)
+    rows = []
+    for experiment in experiments or list(params.experiments):
+        exp = params.experiment(experiment)
+        run, seed = exp.algorithms[0], exp.seeds[0]
+        rows += [
+            ("ranking and per-client spread", root_dir / "reports/compare" / f"{experiment}.md"),
+            ("learning curves (one CSV a run)", root_dir / "plots" / experiment / run / f"seed-{seed}.csv"),
+            ("final metrics (one JSON a run)", root_dir / "metrics" / experiment / run / f"seed-{seed}.json"),
+            ("checkpoint", root_dir / "models" / experiment / run / f"seed-{seed}" / "checkpoint.pt"),
+            ("MLflow runs, per-client CSVs", f"experiment '{experiment}' in {uri}: mlflow ui --backend-store-uri "
+                                             f"{uri} --host 127.0.0.1"),
+        ]
+    width = max(len(what) for what, _ in rows)
+    return "\n".join(f"{what:<{width}}  {where}" for what, where in rows)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--params", default="params.yaml")
+    parser.add_argument("--root", default=".", help="where its data, models, metrics, plots and reports go")
     parser.add_argument("experiments", nargs="*", help="default: every experiment of the params file")
     args = parser.parse_args(argv)
 
     def work():
         with prefect_api():
-            pipeline_flow(args.params, ".", args.experiments or None)
+            pipeline_flow(args.params, args.root, args.experiments or None)
+        print("\nWhere the results are (one run shown per kind):\n" +
+              where_results(args.params, args.root, args.experiments or None))
 
     return stage_main("pipeline", work)
 

@@ -16,6 +16,11 @@ def test_repo_params_yaml_is_valid():
     assert set(params.experiments) >= {"synthetic", "digits", "poly1", "poly2", "poly3"}
 
 
+@pytest.mark.parametrize("path", ["params-quick.yaml", "params-fmnist.yaml"])
+def test_repo_other_params_files_are_valid(path):
+    validate_params(load_params(path))
+
+
 def test_unknown_key_names_its_path_and_the_allowed_keys():
     data = tiny_params()
     data["local"]["optimizer"]["learning_rate"] = 0.1
