@@ -7,6 +7,9 @@ task run instead of 2 + one per chunk. `engine.orchestrator: inline` runs the ve
 plain calls, to measure Prefect's cost and to keep unit tests fast.
 
     python -m flows.train <experiment> [--on-config-change refuse|restart|resume]
+    python -m flows.train digits --algorithms ditto fedavg --seeds 0 1        # some of its runs, in place
+    python -m flows.train digits --algorithms ditto fedavg --set algorithms.ditto.mu=0.01,0.1,1
+                                  # a grid: a sweep in sweeps/<name>/, one MLflow parent run, one table
 """
 
 from __future__ import annotations
@@ -21,12 +24,14 @@ import flows  # noqa: F401  (environment defaults)
 from prefect import flow, task, unmapped
 from prefect.cache_policies import NO_CACHE
 from prefect.task_runners import ThreadPoolTaskRunner
+from pydantic import ValidationError
 
 from pfl_tasks.algorithms import build, validate_params
 from pfl_tasks.algorithms.federation import Federation, InlineSteps, RunState, run_round
 from flows.stage import prefect_api, stage_main
 from pfl_tasks.config import (
-    ConfigError, EngineConfig, ResolvedExperiment, TrackingConfig, config_hash, load_params,
+    ConfigError, EngineConfig, ResolvedExperiment, SweepConfig, TrackingConfig, config_hash, load_params,
+    parse_assignment, parse_params,
 )
 from pfl_tasks.data import load_partition, partition_dir
 from pfl_tasks.engine.checkpoint import CheckpointError, save_checkpoint
@@ -234,7 +239,7 @@ def train_run(
         run.track(exp.name, flatten({"experiment": exp.model_dump(mode="json", exclude={"hyper"}), "algorithm": raw_hp}),
                   {**run_tags(exp, data.task, data.partition, run_name, fed.algorithm.name, fed.algorithm.citation,
                               data.manifest_hash, identity["config_hash"], flow_run_id),
-                   **{f"platform.{key}": value for key, value in fed.platform.items()}})
+                   **{f"platform.{key}": value for key, value in fed.platform.items()}, **tracking.tags})
         run.log(history)  # what a failed MLflow write left unlogged
 
         def snapshot() -> dict:
@@ -327,18 +332,18 @@ def task_runner(engine: EngineConfig):
 
 def train_experiment(
     experiment: str, params_path: str = "params.yaml", root: str = ".",
-    on_config_change: str = "refuse",
+    on_config_change: str = "refuse", algorithms: list[str] | None = None, seeds: list[int] | None = None,
 ) -> dict[str, dict[str, float]]:
-    """Every algorithm and seed of `experiment`, in this one process (one Prefect start);
-    results keyed by (algorithm, seed)."""
+    """Every algorithm and seed of `experiment` (or the configured ones among `algorithms`,
+    `seeds`), in this one process (one Prefect start); results keyed by (algorithm, seed)."""
     params = validate_params(load_params(params_path))
     exp = params.experiment(experiment)
     open_store(tracking_uri(params.tracking.mlflow_uri))
     results = {}
     orchestrated = exp.engine.orchestrator == "prefect"
     with prefect_api() if orchestrated else contextlib.nullcontext():
-        for run_name in exp.algorithms:
-            for seed in exp.seeds:
+        for run_name in [a for a in exp.algorithms if algorithms is None or a in algorithms]:
+            for seed in [s for s in exp.seeds if seeds is None or s in seeds]:
                 if orchestrated:
                     results[run_name, seed] = train_flow.with_options(task_runner=task_runner(exp.engine))(
                         experiment, run_name, seed, params_path, root, on_config_change
@@ -359,8 +364,44 @@ def main(argv: list[str] | None = None) -> int:
         "--on-config-change", choices=["refuse", "restart", "resume"], default="refuse",
         help="what to do with a checkpoint written under another configuration",
     )
+    parser.add_argument("--algorithms", nargs="+", metavar="RUN", help="default: the experiment's")
+    parser.add_argument("--seeds", nargs="+", type=int, metavar="SEED", help="default: the experiment's")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=V1[,V2...]",
+                        help="a grid over a key (repeatable), e.g. algorithms.ditto.mu=0.01,0.1,1 or "
+                             "local.optimizer.lr=0.1,0.2: runs as a sweep in sweeps/<name>/")
+    parser.add_argument("--name", help="the sweep's name (default: from the --set keys, or 'runs')")
     args = parser.parse_args(argv)
-    return stage_main("train", lambda: train_experiment(args.experiment, args.params, ".", args.on_config_change))
+    try:
+        sweep = as_sweep(args)
+    except ConfigError as err:
+        print(f"train failed: {err}", file=sys.stderr)
+        return 2
+    if sweep is not None:
+        from flows.sweep import run_sweep
+
+        return stage_main("train", lambda: run_sweep(sweep))
+    return stage_main("train", lambda: train_experiment(args.experiment, args.params, ".", args.on_config_change,
+                                                        args.algorithms, args.seeds))
+
+
+def as_sweep(args) -> SweepConfig | None:
+    """None when the command runs configured algorithms and seeds of the experiment in place;
+    else the sweep it asks for (a grid, or runs the params file does not configure), checked
+    before anything starts: an error names the key."""
+    params = load_params(args.params)
+    exp = params.experiment(args.experiment)
+    configured = set(args.algorithms or []) <= set(exp.algorithms) and set(args.seeds or []) <= set(exp.seeds)
+    if not args.set and args.name is None and configured:
+        return None
+    grid = dict(parse_assignment(text) for text in args.set)
+    name = args.name or "_".join(key.rsplit(".", 1)[-1] for key in grid) or "runs"
+    try:
+        sweep = SweepConfig(name=name, experiment=args.experiment, algorithms=args.algorithms, seeds=args.seeds,
+                            grid=grid, params_path=args.params)
+    except ValidationError as err:
+        raise ConfigError(f"--name {name!r}: {err.errors()[0]['msg']}") from None
+    validate_params(parse_params(sweep.params()))
+    return sweep
 
 
 if __name__ == "__main__":

@@ -7,7 +7,9 @@ algorithm registry (`pfl_tasks.algorithms.validate_params`), which owns their ty
 
 from __future__ import annotations
 
+import copy
 import hashlib
+import itertools
 import json
 import re
 from pathlib import Path
@@ -293,6 +295,7 @@ class EngineConfig(Strict):
 
 class TrackingConfig(Strict):
     mlflow_uri: str = "sqlite:///mlflow.db"  # MLFLOW_TRACKING_URI overrides
+    tags: dict[str, str] = {}  # on every MLflow run of this params file (a sweep's grid, its parent run)
     # a locked or unreachable store is retried with backoff this long, then the run fails
     # (checkpointed, resumable)
     retry_seconds: PositiveFloat = 120.0
@@ -389,48 +392,124 @@ class ResolvedExperiment(Strict):
 
 
 class SweepConfig(Strict):
-    """A parameter sweep (Prefect UI): `algorithms` x `seeds` of one experiment of the params
-    file, under dotted `overrides` such as {"federation.rounds": 50, "algorithms.ditto.mu": 0.5}.
-    It runs as its own experiment `<experiment>-<name>`, in `sweeps/<name>/`."""
+    """A parameter sweep (the Prefect UI, or `flows.train --set`): `algorithms` x `seeds` of one
+    experiment of the params file, under dotted `overrides` such as {"federation.rounds": 50}
+    and over a `grid` of values such as {"algorithms.ditto.mu": [0.01, 0.1, 1]}. It runs in
+    `sweeps/<name>/`: a grid over an algorithm's hyper-parameter runs its values side by side as
+    variants (`ditto_mu0.01`, ...) of one experiment `<experiment>-<name>`; a grid over any other
+    key (`local.optimizer.lr`) gives one experiment per value (`<experiment>-<name>-lr0.1`) and
+    a table `<name>` of every variant on every one of them."""
 
     name: Name
     experiment: str
     algorithms: Annotated[list[str], Field(min_length=1)] | None = None  # None: the experiment's
     seeds: Seeds | None = None
     overrides: dict[str, Any] = {}
+    grid: dict[str, Annotated[list[Any], Field(min_length=1)]] = {}
     params_path: str = "params.yaml"
+    tags: dict[str, str] = {}  # on every MLflow run of the sweep (e.g. its grid's parent run)
 
     @property
     def experiment_name(self) -> str:
         return f"{self.experiment}-{self.name}"
 
     def params(self) -> dict:
-        """The sweep's own params file: only its experiment, renamed, with the overrides
-        applied; validated like params.yaml, so an error names the offending key."""
+        """The sweep's own params file: only its experiment (one per point of the non-algorithm
+        grid), renamed, with the overrides applied and the grid's variants; validated like
+        params.yaml, so an error names the offending key."""
         raw = read_params(self.params_path)
         for dotted, value in self.overrides.items():
-            _set_dotted(raw, dotted, value)
+            _set_dotted(raw, dotted, value, "sweep.overrides")
         experiments = raw.get("experiments") or {}
         if self.experiment not in experiments:
             raise ConfigError(f"sweep.experiment: '{self.experiment}' is not in {self.params_path} "
                               f"(have: {sorted(experiments)})")
         exp = dict(experiments[self.experiment])
         exp.update({k: v for k, v in (("algorithms", self.algorithms), ("seeds", self.seeds)) if v is not None})
-        if self.algorithms is not None:  # the overrides of the algorithms it runs
-            exp["algorithm_overrides"] = {k: v for k, v in (exp.get("algorithm_overrides") or {}).items()
-                                          if k in self.algorithms}
-        raw.update(experiments={self.experiment_name: exp}, learn2pfed={}, tables={})
+        run_names = exp.get("algorithms") or list(raw.get("algorithms") or {})
+        exp["algorithm_overrides"] = {k: v for k, v in (exp.get("algorithm_overrides") or {}).items() if k in run_names}
+        variants, points = self._split_grid(run_names)
+        algorithms = dict(raw.get("algorithms") or {})
+        for run, hyper in variants.items():
+            base = {**algorithms.get(run, {}), **exp["algorithm_overrides"].pop(run, {})}
+            names = []
+            for values in itertools.product(*hyper.values()):
+                setting = dict(zip(hyper, values))
+                name = "_".join([run, *(f"{hp}{_label(v)}" for hp, v in setting.items())])
+                algorithms[name] = {**base, "algorithm": base.get("algorithm", run), **setting}
+                names.append(name)
+            run_names = [n for r in run_names for n in (names if r == run else [r])]
+        exp["algorithms"] = run_names
+        out = {}
+        for point in itertools.product(*points.values()):
+            setting = dict(zip(points, point))
+            name = "-".join([self.experiment_name, *(f"{key.rsplit('.', 1)[-1]}{_label(v)}" for key, v in setting.items())])
+            out[name] = copy.deepcopy(exp)
+            for dotted, value in setting.items():
+                _set_dotted(out[name], dotted, value, "sweep.grid")
+        raw.update(experiments=out, algorithms=algorithms, learn2pfed={},
+                   tables={self.name: {"experiments": list(out)}} if len(out) > 1 else {})
+        if self.tags:
+            raw["tracking"] = {**(raw.get("tracking") or {}), "tags": {**(raw.get("tracking") or {}).get("tags", {}),
+                                                                       **self.tags}}
         parse_params(raw)
         return raw
 
+    def _split_grid(self, run_names: list[str]) -> tuple[dict[str, dict[str, list]], dict[str, list]]:
+        """The grid's keys over algorithms' hyper-parameters, by run name (a name may hold dots:
+        the longest run name that prefixes the key is its run), and the others, as keys of the
+        experiment's own sections (`local.optimizer.lr` -> the experiment's `local`)."""
+        variants: dict[str, dict[str, list]] = {}
+        points: dict[str, list] = {}
+        for dotted, values in self.grid.items():
+            if dotted.startswith("algorithms."):
+                rest = dotted.removeprefix("algorithms.")
+                runs = [r for r in run_names if rest.startswith(f"{r}.") and "." not in rest[len(r) + 1:]]
+                if not runs:
+                    raise ConfigError(f"sweep.grid: '{dotted}': expected algorithms.<run>.<hyper-parameter> with "
+                                      f"<run> one of this sweep's runs {run_names}")
+                run = max(runs, key=len)
+                variants.setdefault(run, {})[rest[len(run) + 1:]] = values
+            elif dotted.split(".")[0] in ("federation", "local", "model", "dataset"):
+                points[dotted] = values
+            else:
+                raise ConfigError(f"sweep.grid: '{dotted}': a grid varies an algorithm's hyper-parameter "
+                                  "(algorithms.<run>.<name>) or the experiment's federation, local, model or dataset")
+        return variants, points
 
-def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
+
+def _label(value: Any) -> str:
+    """A grid value as part of a run or experiment name."""
+    return re.sub(r"[^A-Za-z0-9_.-]", "", json.dumps(value))
+
+
+def parse_assignment(text: str) -> tuple[str, list[Any]]:
+    """`key=v1,v2` from a command line: the dotted key and its values, each read as YAML (0.1
+    a float, true a boolean, adam a string, [16,32] a list: commas inside brackets stay)."""
+    key, sep, values = text.partition("=")
+    if not sep or not key or not values:
+        raise ConfigError(f"--set {text!r}: expected key=value[,value...]")
+    parts, depth, current = [], 0, ""
+    for char in values:
+        depth += char in "[{" and 1 or char in "]}" and -1 or 0
+        if char == "," and depth == 0:
+            parts.append(current)
+            current = ""
+        else:
+            current += char
+    try:
+        return key, [yaml.load(part, _ParamsLoader) for part in [*parts, current]]
+    except yaml.YAMLError as err:
+        raise ConfigError(f"--set {key}: unreadable value ({err})") from None
+
+
+def _set_dotted(tree: dict, dotted: str, value: Any, where: str) -> None:
     *parents, leaf = dotted.split(".")
     node = tree
     for i, key in enumerate(parents):
         node = node.setdefault(key, {})
         if not isinstance(node, dict):
-            raise ConfigError(f"sweep.overrides: '{dotted}': '{'.'.join(parents[:i + 1])}' is not a section")
+            raise ConfigError(f"{where}: '{dotted}': '{'.'.join(parents[:i + 1])}' is not a section")
     node[leaf] = value
 
 

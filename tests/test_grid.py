@@ -1,0 +1,104 @@
+"""One-line runs and grids: `python -m flows.train <experiment> --algorithms ... --seeds ...
+--set key=v1,v2`: the override parser, the grid's params, errors before anything starts, and
+a grid run end to end under one MLflow parent run."""
+
+import pytest
+import yaml
+
+from conftest import mlflow_uri, tiny_params
+from pfl_tasks.algorithms import validate_params
+from pfl_tasks.config import ConfigError, SweepConfig, parse_assignment, parse_params
+
+
+def write_params(root, **changes):
+    data = tiny_params()
+    data["engine"] = {"orchestrator": "prefect", "device": "cpu", "chunk_size": 4, "round_tasks": "round"}
+    data["federation"] = {"rounds": 2, "eval_every": 1, "checkpoint_every": 2}
+    data["tracking"] = {"mlflow_uri": mlflow_uri()}
+    data["algorithms"]["ditto_v0.5"] = {"algorithm": "ditto", "mu": 0.5}  # a run name with a dot
+    data["experiments"]["tiny"]["algorithms"] = ["fedavg", "fedprox", "ditto_v0.5"]
+    data.update(changes)
+    (root / "params.yaml").write_text(yaml.safe_dump(data))
+    return str(root / "params.yaml")
+
+
+def test_assignment_reads_each_value_as_yaml():
+    assert parse_assignment("algorithms.ditto.mu=0.01,0.1,1") == ("algorithms.ditto.mu", [0.01, 0.1, 1])
+    assert parse_assignment("model.hidden=[16,32],[8]") == ("model.hidden", [[16, 32], [8]])
+    assert parse_assignment("local.optimizer.name=adam,sgd") == ("local.optimizer.name", ["adam", "sgd"])
+    assert parse_assignment("x.y=1e-3,true") == ("x.y", [0.001, True])
+    for bad in ("mu", "=1", "mu="):
+        with pytest.raises(ConfigError, match="key=value"):
+            parse_assignment(bad)
+
+
+def test_grid_over_a_hyper_parameter_runs_its_values_side_by_side(tmp_path):
+    path = write_params(tmp_path)
+    raw = SweepConfig(name="mu", experiment="tiny", grid={"algorithms.fedprox.mu": [0.01, 1],
+                                                          "algorithms.ditto_v0.5.mu": [0.1]},
+                      params_path=path).params()
+    validate_params(parse_params(raw))
+    assert list(raw["experiments"]) == ["tiny-mu"] and raw["tables"] == {}
+    assert raw["experiments"]["tiny-mu"]["algorithms"] == ["fedavg", "fedprox_mu0.01", "fedprox_mu1", "ditto_v0.5_mu0.1"]
+    assert raw["algorithms"]["fedprox_mu1"] == {"algorithm": "fedprox", "mu": 1}
+    assert raw["algorithms"]["ditto_v0.5_mu0.1"] == {"algorithm": "ditto", "mu": 0.1}  # the dotted name's entry, varied
+
+
+def test_grid_over_another_key_gives_an_experiment_per_value_and_a_table(tmp_path):
+    raw = SweepConfig(name="lr", experiment="tiny", algorithms=["fedavg"], grid={"local.optimizer.lr": [0.05, 0.2]},
+                      params_path=write_params(tmp_path, local={"steps": 3, "optimizer": {"lr": 0.1}})).params()
+    params = validate_params(parse_params(raw))
+    assert list(raw["experiments"]) == ["tiny-lr-lr0.05", "tiny-lr-lr0.2"]
+    assert [params.experiment(e).local.optimizer.lr for e in raw["experiments"]] == [0.05, 0.2]
+    assert params.experiment("tiny-lr-lr0.2").local.steps == 3  # the rest of the section is kept
+    assert raw["tables"] == {"lr": {"experiments": ["tiny-lr-lr0.05", "tiny-lr-lr0.2"]}}
+
+
+def test_grid_errors_name_the_key(tmp_path):
+    path = write_params(tmp_path)
+    with pytest.raises(ConfigError, match=r"'algorithms.dito.mu'.*runs \['fedavg', 'fedprox', 'ditto_v0.5'\]"):
+        SweepConfig(name="g", experiment="tiny", grid={"algorithms.dito.mu": [1]}, params_path=path).params()
+    with pytest.raises(ConfigError, match=r"'engine.device': a grid varies"):
+        SweepConfig(name="g", experiment="tiny", grid={"engine.device": ["cpu"]}, params_path=path).params()
+    with pytest.raises(ConfigError, match=r"experiments.tiny-g-lrfast.local.optimizer.lr"):
+        SweepConfig(name="g", experiment="tiny", grid={"local.optimizer.lr": ["fast"]}, params_path=path).params()
+
+
+def test_command_line_errors_come_before_anything_starts(tmp_path, monkeypatch, capsys):
+    import flows.sweep
+    import flows.train
+
+    started = []
+    monkeypatch.setattr(flows.sweep, "run_sweep", lambda sweep: started.append(sweep))
+    monkeypatch.setattr(flows.train, "train_experiment", lambda *a: started.append(a))
+    path = write_params(tmp_path)
+    for args, message in ((["--set", "algorithms.fedprox.muu=1"], "algorithms.fedprox_muu1.muu: Extra inputs"),
+                          (["--set", "algorithms.fedprox.mu"], "expected key=value"),
+                          (["--set", "algorithms.fedprox.mu=1", "--name", "a/b"], "--name 'a/b'"),
+                          (["--algorithms", "dito"], "unknown algorithm 'dito'")):
+        assert flows.train.main(["tiny", "--params", path, *args]) == 2
+        assert message in capsys.readouterr().err
+    assert started == []
+    assert flows.train.main(["tiny", "--params", path, "--algorithms", "fedavg", "--seeds", "0"]) == 0
+    assert started == [("tiny", path, ".", "refuse", ["fedavg"], [0])]  # configured runs: in place, no sweep
+
+
+@pytest.mark.slow
+def test_a_grid_runs_under_one_mlflow_parent_run_with_one_table(project, prefect_harness, monkeypatch):
+    from mlflow.tracking import MlflowClient
+
+    import flows.train
+
+    monkeypatch.chdir(project)
+    path = write_params(project)
+    assert flows.train.main(["tiny", "--params", path, "--algorithms", "fedavg", "ditto_v0.5", "--seeds", "0",
+                             "--set", "algorithms.ditto_v0.5.mu=0.1,1"]) == 0
+    client = MlflowClient(mlflow_uri())
+    runs = client.search_runs([client.get_experiment_by_name("tiny-mu").experiment_id], "tags.sweep = 'mu'")
+    parents = [r for r in runs if r.info.run_name == "sweep-mu"]
+    children = [r for r in runs if r.info.run_name != "sweep-mu"]
+    assert len(parents) == 1 and {r.info.status for r in runs} == {"FINISHED"}
+    assert sorted(r.data.tags["algorithm"] for r in children) == ["ditto_v0.5_mu0.1", "ditto_v0.5_mu1", "fedavg"]
+    assert {r.data.tags["mlflow.parentRunId"] for r in children} == {parents[0].info.run_id}
+    report = (project / "sweeps" / "mu" / "reports" / "compare" / "tiny-mu.md").read_text()
+    assert all(f"| {name}" in report for name in ("ditto_v0.5_mu0.1", "ditto_v0.5_mu1", "fedavg"))
