@@ -6,8 +6,9 @@ experiments. The runs and every number come from the same place as the `compare`
 is the personalized test metric at the round selected on validation, mean over clients and
 seeds [95% CI], marked ≈ when not significantly different from the column's best and † when
 the personalized model is the global one; a diverged method reads "diverged at round R".
-Writes `reports/markdown/<table>.md` and the DVC metrics file `reports/tables/<table>.json`,
-and logs both to MLflow (experiment `tables`).
+Writes `reports/markdown/<table>.md` and the DVC metrics `reports/tables/<table>/<method>.json`
+(`dvc metrics show --md reports/tables/<table>`: a row per method), and logs the table and
+every cell's numbers to MLflow (experiment `tables`).
 
     python -m flows.tables
 """
@@ -80,6 +81,18 @@ def markdown(name: str, rows: dict[str, dict[str, dict]], columns: list[str]) ->
     return "\n".join(lines) + "\n"
 
 
+def write_dvc_table(folder: Path, rows: dict) -> None:
+    """The table as DVC metrics: a file per method (`dvc metrics show` prints a row each),
+    holding per experiment the cell's mean, 95% CI and seeds (the marks are in the markdown)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for stale in folder.glob("*.json"):  # methods no longer in the table
+        stale.unlink()
+    for method, cells in rows.items():
+        numbers = {experiment: {key: cell[key] for key in ("mean", "ci_low", "ci_high", "seeds") if key in cell}
+                   for experiment, cell in cells.items()}
+        atomic_write_text(folder / f"{method}.json", json.dumps(numbers, indent=1, sort_keys=True))
+
+
 def write_tables(params_path: str = "params.yaml", root: str = ".") -> list[Path]:
     from mlflow.tracking import MlflowClient
 
@@ -91,7 +104,7 @@ def write_tables(params_path: str = "params.yaml", root: str = ".") -> list[Path
         text, blob = markdown(name, rows, table.experiments), json.dumps(rows, indent=1, sort_keys=True)
         md = root / REPORTS / "markdown" / f"{name}.md"
         atomic_write_text(md, text)
-        atomic_write_text(root / REPORTS / "tables" / f"{name}.json", blob)
+        write_dvc_table(root / REPORTS / "tables" / name, rows)
         with MlflowRun(params.tracking.mlflow_uri, "tables", name, None, params.tracking.retry_seconds) as tracker, \
                 tempfile.TemporaryDirectory() as tmp:
             (Path(tmp) / md.name).write_text(text)

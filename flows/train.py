@@ -39,6 +39,7 @@ from pfl_tasks.engine.device import describe
 from pfl_tasks.engine.state import gather
 from pfl_tasks.runs import Run, RunPaths
 from pfl_tasks.tracking import (
+    dvc_curve,
     final_metrics,
     flatten,
     learning_curve_png,
@@ -261,7 +262,7 @@ def train_run(
                           f"{fedcfg.dropout}); round skipped", file=sys.stderr)
                 broken = fed.nonfinite(state)
                 if broken is not None:
-                    return run.diverged(done, f"{broken} is not finite after round {done}", history)
+                    return run.diverged(done, f"{broken} is not finite after round {done}", dvc_curve(history, data.task))
                 evaluated = done % fedcfg.eval_every == 0 or done == fedcfg.rounds
                 if evaluated:
                     evaluation = steps.evaluate(fed, done, state)
@@ -286,7 +287,7 @@ def train_run(
             write_csv(tmp / "clients_selected.csv", per_client_rows(tables["selected"]))
             learning_curve_png(tmp / "learning_curve.png", history, data.task, f"{exp.name}: {run_name}")
 
-        run.finish(final, history, artifacts)
+        run.finish(final, dvc_curve(history, data.task), artifacts)
     return final
 
 

@@ -35,7 +35,7 @@ from pathlib import Path
 from pfl_tasks.config import TrackingConfig
 from pfl_tasks.engine.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from pfl_tasks.files import OutputLock, remove_stale_temporaries
-from pfl_tasks.tracking import MlflowRun, TrackingError, flatten, progress, write_dvc_outputs
+from pfl_tasks.tracking import MlflowRun, TrackingError, flatten, headline, progress, write_dvc_outputs
 
 
 @dataclass(frozen=True)
@@ -212,8 +212,9 @@ class Run:
             self.logged_through = max(self.logged_through, history[-1][self.unit])
 
     def finish(self, final: dict[str, float], curve: list[dict], artifacts: Callable[[Path], None]) -> None:
-        """DVC metrics and curve, the final metrics and `artifacts(dir)`'s files to MLflow, FINISHED."""
-        write_dvc_outputs(self.paths.metrics, self.paths.curve, {"status": "finished", **final}, curve)
+        """DVC metrics (the `headline` of `final`) and curve, every final metric and
+        `artifacts(dir)`'s files to MLflow, FINISHED."""
+        write_dvc_outputs(self.paths.metrics, self.paths.curve, {"status": "finished", **headline(final)}, curve)
         self.tracker.log_metrics(final, step=self.total)
         with tempfile.TemporaryDirectory() as tmp:
             artifacts(Path(tmp))

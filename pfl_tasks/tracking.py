@@ -8,6 +8,7 @@ import fcntl
 import json
 import math
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -116,6 +117,26 @@ def json_text(record: dict) -> str:
     """Strict JSON: a non-finite number (an infinite test loss) is written as null."""
     clean = {k: v if not isinstance(v, float) or math.isfinite(v) else None for k, v in record.items()}
     return json.dumps(clean, indent=1, sort_keys=True, allow_nan=False)
+
+
+# what a run's DVC metrics file holds (MLflow has every summary): the rounds, the selected
+# round's mean test (and validation) metric of the personalized and global models and the
+# worst 10% of clients, the plateau verdict, and the run's compute and communication
+HEADLINE = re.compile(r"(final|selected)/round|selected/(test|val)/(personalized|global)/(acc|mse)_mean"
+                      r"|selected/test/personalized/(acc|mse)_worst10|plateau/reached"
+                      r"|final/(compute/grad_samples|comm/bytes_up|comm/bytes_down|rounds/skipped)")
+
+
+def headline(final: dict[str, float]) -> dict[str, float]:
+    return {key: value for key, value in final.items() if HEADLINE.fullmatch(key)}
+
+
+def dvc_curve(history: list[dict], task: str) -> list[dict]:
+    """The per-round curve DVC plots: the mean metric (accuracy or MSE) over clients, of the
+    personalized model on validation and test and of the global one on test."""
+    metric = PRIMARY[task]
+    return [{"round": h["round"], **{name: h.get(f"{name}/{metric}_mean") for name in
+                                     ("val/personalized", "test/personalized", "test/global")}} for h in history]
 
 
 def write_dvc_outputs(metrics_path: Path, curve_path: Path, final: dict, history: list[dict]) -> None:

@@ -54,6 +54,6 @@ def test_learn2pfed_head_on_upstream_body_resumes_and_lands_in_the_table(project
     table = (project / "reports/markdown/tiny.md").read_text()
     rows = [line.split(" | ")[0].strip("| ") for line in table.splitlines() if line.startswith("| ")]
     assert rows[1:] == ["learn2pfed-val", "fedavg", "local"]
-    cells = json.loads((project / "reports/tables/tiny.json").read_text())
-    assert cells["fedavg"]["tiny"]["seeds"] == 1
+    cells = {p.stem: json.loads(p.read_text()) for p in (project / "reports/tables/tiny").glob("*.json")}
+    assert sorted(cells) == ["fedavg", "learn2pfed-val", "local"] and cells["fedavg"]["tiny"]["seeds"] == 1
     assert cells["learn2pfed-val"]["tiny"]["mean"] == pytest.approx(resumed["final/test/personalized/acc_mean"])
