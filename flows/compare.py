@@ -38,7 +38,7 @@ def compare(experiments: list[str] | None = None, params_path: str = "params.yam
     root = Path(root)
     rankings = {}
     for experiment in experiments:
-        only = configured_runs(params, experiment) if experiment in params.experiments else None
+        only = configured_runs(params, experiment, root) if experiment in params.experiments else None
         results = rankings[experiment] = write_report(client, experiment, root / REPORTS, root / FIGURES, only)
         ranked = [r for r in results if r.ranked]
         best = f"best {ranked[0].method} ({ranked[0].personalized[0]:.4f})" if ranked else "none ranked"

@@ -42,14 +42,14 @@ def cell(result: MethodResult, metric: str) -> dict:
             "marks": marks(result)}
 
 
-def build_table(client, params: Params, table: TableConfig) -> dict[str, dict[str, dict]]:
+def build_table(client, params: Params, table: TableConfig, root: Path) -> dict[str, dict[str, dict]]:
     """method -> experiment -> cell."""
     unknown = sorted(set(table.experiments) - set(params.experiments))
     if unknown:
         raise ConfigError(f"tables: experiment(s) {unknown} are not under 'experiments'")
     columns = {}
     for experiment in table.experiments:
-        newest = collect(client, experiment, configured_runs(params, experiment))
+        newest = collect(client, experiment, configured_runs(params, experiment, root))
         metric = primary_metric(newest)
         columns[experiment] = {r.method: cell(r, metric) for r in summarize(client, newest, metric)}
     found = {m for column in columns.values() for m in column}
@@ -100,7 +100,7 @@ def write_tables(params_path: str = "params.yaml", root: str = ".") -> list[Path
     client = MlflowClient(tracking_uri=tracking_uri(params.tracking.mlflow_uri))
     written = []
     for name, table in params.tables.items():
-        rows = build_table(client, params, table)
+        rows = build_table(client, params, table, root)
         text, blob = markdown(name, rows, table.experiments), json.dumps(rows, indent=1, sort_keys=True)
         md = root / REPORTS / "markdown" / f"{name}.md"
         atomic_write_text(md, text)

@@ -13,6 +13,7 @@ methods it cannot tell apart at ALPHA are marked. A diverged run is listed, neve
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
 import tempfile
@@ -34,19 +35,30 @@ class ComparisonError(ValueError):
     pass
 
 
-def configured_runs(params, experiment: str) -> set[tuple[str, int]]:
+def configured_runs(params, experiment: str, root: Path | None = None) -> dict[tuple[str, int], str | None]:
     """(method, seed) of every run the params file configures for `experiment`, Learn2pFed's
-    included: runs under names or seeds since removed do not count."""
+    included (runs under names or seeds since removed do not count), each with the MLflow run
+    its DVC metrics file under `root` names: the run whose outputs the workspace holds (after
+    `dvc exp apply` too), None where there is no such file."""
+    from pfl_tasks.runs import RunPaths
+
     exp = params.experiment(experiment)
     names = list(exp.algorithms)
     if experiment in params.learn2pfed:
         names += [f"learn2pfed-{s}" for s in params.learn2pfed[experiment].supervision]
-    return {(name, seed) for name in names for seed in exp.seeds}
+    runs = {}
+    for name in names:
+        where = f"learn2pfed/{experiment}" if name.startswith("learn2pfed-") else experiment
+        for seed in exp.seeds:
+            path = RunPaths.of(root, where, name, seed).metrics if root is not None else None
+            record = json.loads(path.read_text()) if path is not None and path.exists() else {}
+            runs[name, seed] = record.get("mlflow_run_id")
+    return runs
 
 
-def collect(client, experiment: str, only: set[tuple[str, int]] | None = None) -> dict[str, dict[int, object]]:
-    """method -> seed -> its newest run that FINISHED or diverged (FAILED with `diverged_at`);
-    of the (method, seed) pairs in `only` when given."""
+def collect(client, experiment: str, only: dict[tuple[str, int], str | None] | None = None) -> dict[str, dict[int, object]]:
+    """method -> seed -> the run that counts: of the (method, seed) pairs in `only` when given,
+    the run it names, else the newest run that FINISHED or diverged (FAILED with `diverged_at`)."""
     found = client.get_experiment_by_name(experiment)
     if found is None:
         raise ComparisonError(f"MLflow at {client.tracking_uri} has no experiment '{experiment}'")
@@ -60,15 +72,19 @@ def collect(client, experiment: str, only: set[tuple[str, int]] | None = None) -
         token = page.token
         if not token:
             break
-    newest: dict[str, dict[int, object]] = {}
+    chosen: dict[str, dict[int, object]] = {}
     for run in runs:
         tags = run.data.tags
         ended = run.info.status == "FINISHED" or "diverged_at" in tags
-        if ended and "algorithm" in tags and "seed" in tags and (only is None or (tags["algorithm"], int(tags["seed"])) in only):
-            newest.setdefault(tags["algorithm"], {}).setdefault(int(tags["seed"]), run)
-    if not newest:
+        if not (ended and "algorithm" in tags and "seed" in tags):
+            continue
+        key = tags["algorithm"], int(tags["seed"])
+        if only is not None and (key not in only or only[key] not in (None, run.info.run_id)):
+            continue
+        chosen.setdefault(key[0], {}).setdefault(key[1], run)
+    if not chosen:
         raise ComparisonError(f"MLflow experiment '{experiment}' has no finished runs tagged with an algorithm")
-    return newest
+    return chosen
 
 
 def primary_metric(newest: dict[str, dict[int, object]]) -> str:
@@ -358,7 +374,7 @@ def _save(fig, path: Path) -> None:
 
 
 def write_report(client, experiment: str, report_dir: Path, figure_dir: Path,
-                 only: set[tuple[str, int]] | None = None) -> list[MethodResult]:
+                 only: dict[tuple[str, int], str | None] | None = None) -> list[MethodResult]:
     """`report_dir/<experiment>.md` and its PNGs in `figure_dir`; returns the ranking."""
     newest = collect(client, experiment, only)
     metric = primary_metric(newest)

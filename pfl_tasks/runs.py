@@ -212,9 +212,11 @@ class Run:
             self.logged_through = max(self.logged_through, history[-1][self.unit])
 
     def finish(self, final: dict[str, float], curve: list[dict], artifacts: Callable[[Path], None]) -> None:
-        """DVC metrics (the `headline` of `final`) and curve, every final metric and
-        `artifacts(dir)`'s files to MLflow, FINISHED."""
-        write_dvc_outputs(self.paths.metrics, self.paths.curve, {"status": "finished", **headline(final)}, curve)
+        """DVC metrics (the `headline` of `final`, and the MLflow run's id: what reports read
+        for this output) and curve, every final metric and `artifacts(dir)`'s files to MLflow,
+        FINISHED."""
+        write_dvc_outputs(self.paths.metrics, self.paths.curve,
+                          {"status": "finished", "mlflow_run_id": self.tracker.run_id, **headline(final)}, curve)
         self.tracker.log_metrics(final, step=self.total)
         with tempfile.TemporaryDirectory() as tmp:
             artifacts(Path(tmp))
@@ -225,7 +227,7 @@ class Run:
         """A NaN or infinity in the state at step `at`: a failed run, never a result. The DVC
         metrics say so (`status: diverged`), MLflow marks the run FAILED with the step and reason
         (tag `diverged_at`), and the last checkpoint stays, from before the divergence."""
-        record = {"status": "diverged", self.unit: at, "reason": reason}
+        record = {"status": "diverged", self.unit: at, "reason": reason, "mlflow_run_id": self.tracker.run_id}
         write_dvc_outputs(self.paths.metrics, self.paths.curve, record, curve)
         self.tracker.set_tag("diverged_at", str(at))
         self.tracker.finish("FAILED", f"diverged at {self.unit} {at}: {reason}")

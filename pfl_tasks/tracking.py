@@ -203,6 +203,9 @@ def run_tags(exp, task: str, partition: str, run_name: str, algorithm_class: str
         "experiment": exp.name, "dataset": exp.dataset, "partition": partition, "model": exp.model.kind, "task": task,
         "algorithm": run_name, "algorithm_class": algorithm_class, "citation": citation, "seed": str(exp.seed),
         "git_commit": git_commit(), "data_hash": data_hash, "config_hash": config_hash,
+        # the DVC experiment that ran it (`dvc exp run`; "workspace" for dvc repro or a shell)
+        "dvc_experiment": os.environ.get("DVC_EXP_NAME", "workspace"),
+        "dvc_baseline": os.environ.get("DVC_EXP_BASELINE_REV", git_commit()),
         "prefect_flow_run_id": flow_run_id,
     }
 
@@ -223,8 +226,14 @@ class TrackingError(RuntimeError):
 
 
 def tracking_uri(configured: str) -> str:
-    """MLFLOW_TRACKING_URI when set, else `tracking.mlflow_uri`."""
-    return os.environ.get("MLFLOW_TRACKING_URI", configured)
+    """MLFLOW_TRACKING_URI when set, else `tracking.mlflow_uri`; a relative sqlite path is the
+    project's (DVC_ROOT, which `dvc exp run --temp` and `--queue` set to the project while the
+    stages run in a temporary copy), so their runs land in the project's store."""
+    uri = os.environ.get("MLFLOW_TRACKING_URI", configured)
+    path = _sqlite_path(uri)
+    if path is not None and not path.is_absolute() and os.environ.get("DVC_ROOT"):
+        return f"sqlite:///{Path(os.environ['DVC_ROOT']).resolve() / path}"
+    return uri
 
 
 _UNREACHABLE = ("ConnectionError", "ConnectTimeout", "ReadTimeout", "Timeout", "MaxRetryError", "NewConnectionError")

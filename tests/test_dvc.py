@@ -100,6 +100,12 @@ def test_dvc_exp_run_with_set_param(repo_copy):
     assert "Running stage 'train@tiny'" in out
     shown = sh([sys.executable, "-m", "dvc", "exp", "show", "--json"], root, env)
     assert "federation.rounds" in shown or '"rounds": 4' in shown
+    from mlflow.tracking import MlflowClient  # its MLflow runs name the experiment
+
+    client = MlflowClient(mlflow_uri())
+    tagged = client.search_runs([client.get_experiment_by_name("tiny").experiment_id],
+                                "tags.dvc_experiment != 'workspace'")
+    assert tagged and all(r.data.tags["dvc_experiment"] in shown for r in tagged)
 
 
 def test_repro_flow_streams_dvc_repro_and_fails_loudly(repo_copy, prefect_harness, monkeypatch):

@@ -86,7 +86,7 @@ def store_with_stale_and_extra_runs(tmp_path):
 def test_both_reports_count_the_same_runs_with_cis_marks_and_diverged_runs(tmp_path):
     client, experiment, params, base = store_with_stale_and_extra_runs(tmp_path)
     results = write_report(client, experiment, tmp_path / "reports", tmp_path / "figures",
-                           {(m, s) for m in "abcd" for s in (0, 1)})
+                           {(m, s): None for m in "abcd" for s in (0, 1)})
     assert [r.method for r in results] == ["a", "b", "c", "d"]
     a, b, c, d = results
     assert a.seeds == [0, 1] and a.personalized == pytest.approx(mean_ci([base[0] + 0.05, base[1] + 0.05]))
@@ -103,7 +103,7 @@ def test_both_reports_count_the_same_runs_with_cis_marks_and_diverged_runs(tmp_p
         png = tmp_path / "figures" / f"{experiment}-{name}.png"
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"](../figures/{png.name})" in report
 
-    rows = build_table(client, params, params.tables["t"])
+    rows = build_table(client, params, params.tables["t"], tmp_path)  # no DVC metrics there: the newest runs
     assert sorted(rows) == ["a", "b", "c", "d"]
     for r in (a, b, c):
         got = rows[r.method][experiment]
@@ -127,6 +127,49 @@ def test_seeds_on_one_partition_count_each_client_once(tmp_path):
     (a,) = summarize(client, collect(client, experiment), "acc")
     assert list(a.clients) == [0] and a.clients[0] == pytest.approx([0.3, 0.5, 0.8])
     assert a.personalized == pytest.approx(mean_ci([np.array([0.3, 0.5, 0.8])]))
+
+
+def test_the_run_the_workspace_holds_counts_not_the_newest(tmp_path):
+    """After `dvc exp apply` the workspace's DVC metrics name an older MLflow run of a (method,
+    seed): the reports take that one, not the newest; without such a file, the newest."""
+    from mlflow.tracking import MlflowClient
+
+    from pfl_tasks.reports import configured_runs
+    from pfl_tasks.runs import RunPaths
+
+    experiment = f"pinned-{uuid.uuid4().hex[:8]}"
+    data = tiny_params()
+    data["experiments"] = {experiment: {"dataset": "digits", "model": {"kind": "mlp"}, "algorithms": ["a"]}}
+    params = parse_params(data)
+    applied = log_run(tmp_path, experiment, "a", 0, [0.9, 0.9])  # the experiment applied to the workspace
+    log_run(tmp_path, experiment, "a", 0, [0.1, 0.1])  # a newer run of another experiment
+    client = MlflowClient(mlflow_uri())
+    assert collect(client, experiment, configured_runs(params, experiment, tmp_path))["a"][0].data.metrics[
+        "selected/test/personalized/acc_mean"] == pytest.approx(0.1)
+    path = RunPaths.of(tmp_path, experiment, "a", 0).metrics
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"status": "finished", "mlflow_run_id": applied}))
+    only = configured_runs(params, experiment, tmp_path)
+    assert only == {("a", 0): applied}
+    assert collect(client, experiment, only)["a"][0].info.run_id == applied
+
+
+def test_a_dvc_experiments_runs_use_the_projects_store_and_name_the_experiment(monkeypatch, tmp_path):
+    """`dvc exp run --temp` runs the stages in a temporary copy with DVC_ROOT the project: a
+    relative sqlite store is the project's; every run is tagged with its DVC experiment."""
+    from pfl_tasks.tracking import run_tags, tracking_uri
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("DVC_EXP_NAME", raising=False)
+    exp = parse_params(tiny_params()).experiment("tiny")
+    assert run_tags(exp, "classification", "p", "fedavg", "fedavg", "c", "d", "h", "f")["dvc_experiment"] == "workspace"
+    monkeypatch.setenv("DVC_ROOT", str(tmp_path))
+    monkeypatch.setenv("DVC_EXP_NAME", "lucid-mole")
+    monkeypatch.setenv("DVC_EXP_BASELINE_REV", "abc123")
+    assert tracking_uri("sqlite:///mlflow.db") == f"sqlite:///{tmp_path.resolve()}/mlflow.db"
+    assert tracking_uri("sqlite:////elsewhere/m.db") == "sqlite:////elsewhere/m.db"
+    tags = run_tags(exp, "classification", "p", "fedavg", "fedavg", "c", "d", "h", "f")
+    assert tags["dvc_experiment"] == "lucid-mole" and tags["dvc_baseline"] == "abc123" and tags["config_hash"] == "h"
 
 
 def test_regression_ranks_lowest_mse_first_and_missing_experiment_is_named(tmp_path):
