@@ -82,7 +82,7 @@ def where_results(params_path: str, root: str, experiments: list[str] | None) ->
         rows += [
             ("ranking and per-client spread", root_dir / "reports/compare" / f"{experiment}.md"),
             ("learning curves (one CSV a run)", root_dir / "plots" / experiment / run / f"seed-{seed}.csv"),
-            ("final metrics (one JSON a run)", root_dir / "metrics" / experiment / run / f"seed-{seed}.json"),
+            ("headline metrics (one JSON a run)", root_dir / "metrics" / experiment / run / f"seed-{seed}.json"),
             ("checkpoint", root_dir / "models" / experiment / run / f"seed-{seed}" / "checkpoint.pt"),
             ("MLflow runs, per-client CSVs", f"experiment '{experiment}' in {uri}: mlflow ui --backend-store-uri "
                                              f"{uri} --host 127.0.0.1"),

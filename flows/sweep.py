@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import sys
+import tempfile
 from pathlib import Path
 
 import flows  # noqa: F401  (environment defaults)
@@ -23,10 +24,11 @@ from prefect import flow
 from flows.pipeline import pipeline_flow
 from flows.stage import prefect_api, stage_main
 from pfl_tasks.algorithms import validate_params
-from pfl_tasks.config import SweepConfig, load_params, parse_params
+from pfl_tasks.config import SweepConfig, parse_params
 from pfl_tasks.files import atomic_write_text
 from pfl_tasks.reports import winner_on_validation
-from pfl_tasks.tracking import open_store, tracking_uri
+from pfl_tasks.runs import RunStopped
+from pfl_tasks.tracking import MlflowRun, open_store, tracking_uri
 
 SWEEPS = Path("sweeps")
 
@@ -56,25 +58,28 @@ def sweep_flow(sweep: SweepConfig) -> dict:
 def run_sweep(sweep: SweepConfig) -> None:
     """The sweep from a shell: validated before anything starts (an error names the key), then
     run under one MLflow parent run (experiment `<experiment>-<name>`, run `sweep-<name>`)
-    whose children are its training runs (tags `mlflow.parentRunId`, `sweep`)."""
-    from mlflow.tracking import MlflowClient
-
-    validate_params(parse_params(sweep.params()))
-    uri = tracking_uri(load_params(sweep.params_path).tracking.mlflow_uri)
-    open_store(uri)
-    client = MlflowClient(uri)
-    found = client.get_experiment_by_name(sweep.experiment_name)
-    experiment_id = found.experiment_id if found else client.create_experiment(sweep.experiment_name)
-    parent = client.create_run(experiment_id, run_name=f"sweep-{sweep.name}", tags={"sweep": sweep.name})
-    client.log_dict(parent.info.run_id, sweep.model_dump(mode="json", exclude={"tags"}), "sweep.json")
-    status = "FAILED"
+    whose children are its training runs (tags `mlflow.parentRunId`, `sweep`); the parent ends
+    FINISHED, FAILED, or KILLED by a signal, as its children do."""
+    params = validate_params(parse_params(sweep.params()))
+    open_store(tracking_uri(params.tracking.mlflow_uri))
+    parent = None
     try:
+        parent = MlflowRun(params.tracking.mlflow_uri, sweep.experiment_name, f"sweep-{sweep.name}", None,
+                           params.tracking.retry_seconds, tags={"sweep": sweep.name})
+        with tempfile.TemporaryDirectory() as tmp:
+            (Path(tmp) / "sweep.json").write_text(sweep.model_dump_json(indent=1, exclude={"tags"}))
+            parent.log_artifacts(Path(tmp))
         with prefect_api():
-            sweep_flow(sweep.model_copy(update={"tags": {"mlflow.parentRunId": parent.info.run_id,
-                                                         "sweep": sweep.name}}))
-        status = "FINISHED"
-    finally:
-        client.set_terminated(parent.info.run_id, status)
+            sweep_flow(sweep.model_copy(update={"tags": {"mlflow.parentRunId": parent.run_id, "sweep": sweep.name}}))
+    except BaseException as exc:
+        if parent is not None:
+            status = "KILLED" if isinstance(exc, (RunStopped, KeyboardInterrupt)) else "FAILED"
+            try:
+                parent.finish(status, f"{type(exc).__name__}: {exc}", bound=5.0)
+            except Exception as err:  # the store failing too: the first error is the one to see
+                print(f"sweep {sweep.name}: MLflow parent run {parent.run_id} left RUNNING ({err})", file=sys.stderr)
+        raise
+    parent.finish()
 
 
 def main(argv: list[str] | None = None) -> int:

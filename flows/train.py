@@ -400,7 +400,8 @@ def as_sweep(args) -> SweepConfig | None:
         sweep = SweepConfig(name=name, experiment=args.experiment, algorithms=args.algorithms, seeds=args.seeds,
                             grid=grid, params_path=args.params)
     except ValidationError as err:
-        raise ConfigError(f"--name {name!r}: {err.errors()[0]['msg']}") from None
+        first = err.errors()[0]
+        raise ConfigError(f"--{first['loc'][0]} {getattr(args, str(first['loc'][0]), name)!r}: {first['msg']}") from None
     validate_params(parse_params(sweep.params()))
     return sweep
 

@@ -295,7 +295,7 @@ class EngineConfig(Strict):
 
 class TrackingConfig(Strict):
     mlflow_uri: str = "sqlite:///mlflow.db"  # MLFLOW_TRACKING_URI overrides
-    tags: dict[str, str] = {}  # on every MLflow run of this params file (a sweep's grid, its parent run)
+    tags: dict[str, str] = {}  # on every training run of this params file (a sweep's: its parent run)
     # a locked or unreachable store is retried with backoff this long, then the run fails
     # (checkpointed, resumable)
     retry_seconds: PositiveFloat = 120.0
@@ -436,6 +436,9 @@ class SweepConfig(Strict):
             for values in itertools.product(*hyper.values()):
                 setting = dict(zip(hyper, values))
                 name = "_".join([run, *(f"{hp}{_label(v)}" for hp, v in setting.items())])
+                if name in algorithms:
+                    raise ConfigError(f"sweep.grid: algorithms.{run}: two values (or an existing entry) are named "
+                                      f"'{name}': give distinct values")
                 algorithms[name] = {**base, "algorithm": base.get("algorithm", run), **setting}
                 names.append(name)
             run_names = [n for r in run_names for n in (names if r == run else [r])]
@@ -444,6 +447,8 @@ class SweepConfig(Strict):
         for point in itertools.product(*points.values()):
             setting = dict(zip(points, point))
             name = "-".join([self.experiment_name, *(f"{key.rsplit('.', 1)[-1]}{_label(v)}" for key, v in setting.items())])
+            if name in out:
+                raise ConfigError(f"sweep.grid: {', '.join(points)}: two points are named '{name}': give distinct values")
             out[name] = copy.deepcopy(exp)
             for dotted, value in setting.items():
                 _set_dotted(out[name], dotted, value, "sweep.grid")
@@ -479,8 +484,10 @@ class SweepConfig(Strict):
 
 
 def _label(value: Any) -> str:
-    """A grid value as part of a run or experiment name."""
-    return re.sub(r"[^A-Za-z0-9_.-]", "", json.dumps(value))
+    """A grid value as part of a run or experiment name ([16, 32] -> 16x32)."""
+    if isinstance(value, (list, tuple)):
+        return "x".join(_label(v) for v in value)
+    return re.sub(r"[^A-Za-z0-9_.-]", "", value if isinstance(value, str) else json.dumps(value))
 
 
 def parse_assignment(text: str) -> tuple[str, list[Any]]:

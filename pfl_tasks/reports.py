@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import statistics
+import sys
 import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -58,7 +59,8 @@ def configured_runs(params, experiment: str, root: Path | None = None) -> dict[t
 
 def collect(client, experiment: str, only: dict[tuple[str, int], str | None] | None = None) -> dict[str, dict[int, object]]:
     """method -> seed -> the run that counts: of the (method, seed) pairs in `only` when given,
-    the run it names, else the newest run that FINISHED or diverged (FAILED with `diverged_at`)."""
+    the run it names, else (or when this store does not hold that run finished) the newest run
+    that FINISHED or diverged (FAILED with `diverged_at`)."""
     found = client.get_experiment_by_name(experiment)
     if found is None:
         raise ComparisonError(f"MLflow at {client.tracking_uri} has no experiment '{experiment}'")
@@ -72,14 +74,20 @@ def collect(client, experiment: str, only: dict[tuple[str, int], str | None] | N
         token = page.token
         if not token:
             break
+    ended = [r for r in runs if (r.info.status == "FINISHED" or "diverged_at" in r.data.tags)
+             and "algorithm" in r.data.tags and "seed" in r.data.tags]
+    ids = {r.info.run_id for r in ended}
     chosen: dict[str, dict[int, object]] = {}
-    for run in runs:
-        tags = run.data.tags
-        ended = run.info.status == "FINISHED" or "diverged_at" in tags
-        if not (ended and "algorithm" in tags and "seed" in tags):
+    for run in ended:
+        key = run.data.tags["algorithm"], int(run.data.tags["seed"])
+        if only is not None and key not in only:
             continue
-        key = tags["algorithm"], int(tags["seed"])
-        if only is not None and (key not in only or only[key] not in (None, run.info.run_id)):
+        pinned = only[key] if only is not None else None
+        if pinned is not None and pinned not in ids:  # not in this store (another clone's, or reset): say so
+            print(f"{experiment}: {key[0]} seed {key[1]}: the workspace names MLflow run {pinned}, which "
+                  f"{client.tracking_uri} does not hold finished; the newest run counts", file=sys.stderr)
+            only = {**only, key: None}
+        elif pinned is not None and pinned != run.info.run_id:
             continue
         chosen.setdefault(key[0], {}).setdefault(key[1], run)
     if not chosen:

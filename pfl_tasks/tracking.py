@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import csv
 import fcntl
+import hashlib
 import json
 import math
 import os
@@ -232,7 +233,7 @@ def tracking_uri(configured: str) -> str:
     uri = os.environ.get("MLFLOW_TRACKING_URI", configured)
     path = _sqlite_path(uri)
     if path is not None and not path.is_absolute() and os.environ.get("DVC_ROOT"):
-        return f"sqlite:///{Path(os.environ['DVC_ROOT']).resolve() / path}"
+        return uri.replace(f"sqlite:///{path}", f"sqlite:///{Path(os.environ['DVC_ROOT']).resolve() / path}", 1)
     return uri
 
 
@@ -288,6 +289,15 @@ def _store_lock(uri: str):
         yield
 
 
+def artifact_location(uri: str, experiment: str) -> str | None:
+    """A new experiment's artifacts beside a sqlite store (`mlruns/` next to `mlflow.db`), not
+    under the working directory, which `dvc exp run --temp` deletes; a server's: its default."""
+    path = _sqlite_path(uri)
+    if path is None:
+        return None
+    return (path.resolve().parent / "mlruns" / hashlib.sha1(experiment.encode()).hexdigest()[:12]).as_uri()
+
+
 def _sqlite_path(uri: str) -> Path | None:
     if not uri.startswith("sqlite:///"):
         return None
@@ -339,7 +349,8 @@ class MlflowRun:
         self.retry_seconds = retry_seconds
         self.client = MlflowClient(tracking_uri=tracking_uri(uri))
         exp = self._call("get experiment", self.client.get_experiment_by_name, experiment)
-        exp_id = exp.experiment_id if exp else self._call("create experiment", self.client.create_experiment, experiment)
+        exp_id = exp.experiment_id if exp else self._call(
+            "create experiment", self.client.create_experiment, experiment, artifact_location(tracking_uri(uri), experiment))
         if run_id is not None:
             try:
                 run = self._call("get run", self.client.get_run, run_id)

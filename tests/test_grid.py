@@ -62,6 +62,10 @@ def test_grid_errors_name_the_key(tmp_path):
         SweepConfig(name="g", experiment="tiny", grid={"engine.device": ["cpu"]}, params_path=path).params()
     with pytest.raises(ConfigError, match=r"experiments.tiny-g-lrfast.local.optimizer.lr"):
         SweepConfig(name="g", experiment="tiny", grid={"local.optimizer.lr": ["fast"]}, params_path=path).params()
+    with pytest.raises(ConfigError, match=r"two points are named 'tiny-g-hidden64'"):
+        SweepConfig(name="g", experiment="tiny", grid={"model.hidden": [[64], "64"]}, params_path=path).params()
+    with pytest.raises(ConfigError, match=r"two values .* 'fedprox_mu0.1'"):
+        SweepConfig(name="g", experiment="tiny", grid={"algorithms.fedprox.mu": [0.1, 0.1]}, params_path=path).params()
 
 
 def test_command_line_errors_come_before_anything_starts(tmp_path, monkeypatch, capsys):
@@ -75,6 +79,7 @@ def test_command_line_errors_come_before_anything_starts(tmp_path, monkeypatch, 
     for args, message in ((["--set", "algorithms.fedprox.muu=1"], "algorithms.fedprox_muu1.muu: Extra inputs"),
                           (["--set", "algorithms.fedprox.mu"], "expected key=value"),
                           (["--set", "algorithms.fedprox.mu=1", "--name", "a/b"], "--name 'a/b'"),
+                          (["--seeds", "-1"], "--seeds [-1]: Input should be greater than or equal to 0"),
                           (["--algorithms", "dito"], "unknown algorithm 'dito'")):
         assert flows.train.main(["tiny", "--params", path, *args]) == 2
         assert message in capsys.readouterr().err

@@ -152,12 +152,15 @@ def test_the_run_the_workspace_holds_counts_not_the_newest(tmp_path):
     only = configured_runs(params, experiment, tmp_path)
     assert only == {("a", 0): applied}
     assert collect(client, experiment, only)["a"][0].info.run_id == applied
+    # a run this store does not hold (another clone's store): the newest counts, not a gap
+    newest = collect(client, experiment, {("a", 0): "f" * 32})["a"][0]
+    assert newest.data.metrics["selected/test/personalized/acc_mean"] == pytest.approx(0.1)
 
 
 def test_a_dvc_experiments_runs_use_the_projects_store_and_name_the_experiment(monkeypatch, tmp_path):
     """`dvc exp run --temp` runs the stages in a temporary copy with DVC_ROOT the project: a
     relative sqlite store is the project's; every run is tagged with its DVC experiment."""
-    from pfl_tasks.tracking import run_tags, tracking_uri
+    from pfl_tasks.tracking import artifact_location, run_tags, tracking_uri
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.delenv("DVC_EXP_NAME", raising=False)
@@ -168,6 +171,9 @@ def test_a_dvc_experiments_runs_use_the_projects_store_and_name_the_experiment(m
     monkeypatch.setenv("DVC_EXP_BASELINE_REV", "abc123")
     assert tracking_uri("sqlite:///mlflow.db") == f"sqlite:///{tmp_path.resolve()}/mlflow.db"
     assert tracking_uri("sqlite:////elsewhere/m.db") == "sqlite:////elsewhere/m.db"
+    assert tracking_uri("sqlite:///m.db?timeout=5") == f"sqlite:///{tmp_path.resolve()}/m.db?timeout=5"
+    # a new experiment's artifacts go beside the store, not under the (temporary) working directory
+    assert artifact_location(tracking_uri("sqlite:///mlflow.db"), "e").startswith((tmp_path.resolve() / "mlruns").as_uri())
     tags = run_tags(exp, "classification", "p", "fedavg", "fedavg", "c", "d", "h", "f")
     assert tags["dvc_experiment"] == "lucid-mole" and tags["dvc_baseline"] == "abc123" and tags["config_hash"] == "h"
 
