@@ -23,7 +23,6 @@ def documented_filters() -> list[str]:
 @pytest.fixture(scope="module")
 def store(tmp_path_factory) -> str:
     """Three finished runs of `digits`, tagged and logged as the training flow does."""
-    import mlflow
     from mlflow.tracking import MlflowClient
 
     uri = f"sqlite:///{tmp_path_factory.mktemp('mlflow')}/mlflow.db"
@@ -35,14 +34,15 @@ def store(tmp_path_factory) -> str:
             client.log_param(run.info.run_id, "algorithm.mu", mu)
         client.log_metric(run.info.run_id, "selected/test/personalized/acc_mean", acc)
         client.set_terminated(run.info.run_id)
-    mlflow.set_tracking_uri(uri)
     return uri
 
 
 @pytest.mark.parametrize("filter_string", documented_filters())
-def test_documented_filter_is_accepted_and_selects_runs(store, filter_string):
+def test_documented_filter_is_accepted_and_selects_runs(store, filter_string, monkeypatch):
     import mlflow
 
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", store)  # as the README sets it (never mlflow.set_tracking_uri:
+                                                      # it sets this variable for the rest of the process)
     runs = mlflow.search_runs(experiment_names=["digits"], filter_string=filter_string)
     assert len(runs) > 0
 
