@@ -27,6 +27,7 @@ import pandas as pd
 from pfl_tasks.engine.evaluate import HIGHER_IS_BETTER
 from pfl_tasks.files import atomic_write, atomic_write_text
 from pfl_tasks.stats import TEST_NAME, holm, mean_ci, paired_pvalue
+from pfl_tasks.tracking import PLATEAU_TOLERANCE, local_artifact_dir
 
 ALPHA = 0.05
 CLIENTS_TABLE = "clients_selected.csv"  # each client's metrics at the round selected on validation
@@ -138,6 +139,10 @@ class MethodResult:
 
 
 def clients_table(client, run_id: str) -> pd.DataFrame | None:
+    local = local_artifact_dir(client.tracking_uri, client.get_run(run_id).info.artifact_uri)
+    if local is not None:  # read in place (found after the checkout moved, too)
+        table = local / CLIENTS_TABLE
+        return pd.read_csv(table).set_index("client_id") if table.exists() else None
     if not any(a.path == CLIENTS_TABLE for a in client.list_artifacts(run_id)):
         return None
     with tempfile.TemporaryDirectory() as tmp:
@@ -250,8 +255,6 @@ def protocol_lines() -> list[str]:
 
 
 def markdown(experiment: str, metric: str, results: list[MethodResult], figures: dict[str, str]) -> str:
-    from pfl_tasks.tracking import PLATEAU_TOLERANCE
-
     tolerance = f"{PLATEAU_TOLERANCE['acc']} accuracy" if metric == "acc" else f"{PLATEAU_TOLERANCE['mse']:.0%} of the MSE"
     lines = [
         f"# {experiment}: comparison",

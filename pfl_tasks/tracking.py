@@ -298,6 +298,23 @@ def artifact_location(uri: str, experiment: str) -> str | None:
     return (path.resolve().parent / "mlruns" / hashlib.sha1(experiment.encode()).hexdigest()[:12]).as_uri()
 
 
+def local_artifact_dir(store_uri: str, artifact_uri: str) -> Path | None:
+    """A run's artifact folder on this machine (None for a server's artifacts). A sqlite store
+    records absolute paths: after the checkout moved, the same path below its `mlruns/` beside
+    the store."""
+    from urllib.parse import urlparse
+    from urllib.request import url2pathname
+
+    parsed = urlparse(artifact_uri)
+    if parsed.scheme not in ("", "file"):
+        return None
+    path, store = Path(url2pathname(parsed.path)), _sqlite_path(store_uri)
+    if path.exists() or store is None or "mlruns" not in path.parts:
+        return path
+    below = path.parts[len(path.parts) - 1 - path.parts[::-1].index("mlruns"):]
+    return store.resolve().parent.joinpath(*below)
+
+
 def _sqlite_path(uri: str) -> Path | None:
     if not uri.startswith("sqlite:///"):
         return None

@@ -178,6 +178,27 @@ def test_a_dvc_experiments_runs_use_the_projects_store_and_name_the_experiment(m
     assert tags["dvc_experiment"] == "lucid-mole" and tags["dvc_baseline"] == "abc123" and tags["config_hash"] == "h"
 
 
+def test_reports_read_per_client_tables_after_the_checkout_moved(tmp_path):
+    """MLflow's sqlite store records artifact paths absolutely; a moved checkout still finds
+    them below the `mlruns/` beside its store."""
+    import shutil
+
+    from mlflow.tracking import MlflowClient
+
+    from pfl_tasks.reports import clients_table
+
+    before, after = tmp_path / "before", tmp_path / "after"
+    before.mkdir()
+    run = MlflowRun(f"sqlite:///{before}/mlflow.db", "moved", "a-seed0", None)
+    (tmp_path / "upload").mkdir()
+    write_csv(tmp_path / "upload" / "clients_selected.csv", [{"client_id": 0, "test_personalized_acc": 0.5}])
+    run.log_artifacts(tmp_path / "upload")
+    run.finish()
+    shutil.move(before, after)
+    table = clients_table(MlflowClient(f"sqlite:///{after}/mlflow.db"), run.run_id)
+    assert table is not None and table.loc[0, "test_personalized_acc"] == 0.5
+
+
 def test_regression_ranks_lowest_mse_first_and_missing_experiment_is_named(tmp_path):
     from mlflow.tracking import MlflowClient
 
