@@ -19,6 +19,10 @@ for _key, _value in {
     "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false",
     "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0",
     "MLFLOW_HTTP_REQUEST_TIMEOUT": "30",
+    # Prefect's per-run INFO lines ("Task run 'round-3' - Finished in state Completed()": nine
+    # in ten lines of a run) stay in the Prefect UI and API; the terminal gets its warnings and
+    # errors, and the runs' own progress bars and evaluation lines
+    "PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL": "WARNING",
 }.items():
     os.environ.setdefault(_key, _value)
 
