@@ -455,8 +455,9 @@ class SweepConfig(Strict):
         raw.update(experiments=out, algorithms=algorithms, learn2pfed={},
                    tables={self.name: {"experiments": list(out)}} if len(out) > 1 else {})
         if self.tags:
-            raw["tracking"] = {**(raw.get("tracking") or {}), "tags": {**(raw.get("tracking") or {}).get("tags", {}),
-                                                                       **self.tags}}
+            tracking = dict(raw.get("tracking") or {})
+            tracking["tags"] = {**tracking.get("tags", {}), **self.tags}
+            raw["tracking"] = tracking
         parse_params(raw)
         return raw
 
@@ -498,7 +499,10 @@ def parse_assignment(text: str) -> tuple[str, list[Any]]:
         raise ConfigError(f"--set {text!r}: expected key=value[,value...]")
     parts, depth, current = [], 0, ""
     for char in values:
-        depth += char in "[{" and 1 or char in "]}" and -1 or 0
+        if char in "[{":
+            depth += 1
+        elif char in "]}":
+            depth -= 1
         if char == "," and depth == 0:
             parts.append(current)
             current = ""

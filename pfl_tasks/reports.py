@@ -26,6 +26,7 @@ import pandas as pd
 
 from pfl_tasks.engine.evaluate import HIGHER_IS_BETTER
 from pfl_tasks.files import atomic_write, atomic_write_text
+from pfl_tasks.runs import RunPaths
 from pfl_tasks.stats import TEST_NAME, holm, mean_ci, paired_pvalue
 from pfl_tasks.tracking import PLATEAU_TOLERANCE, local_artifact_dir
 
@@ -42,8 +43,6 @@ def configured_runs(params, experiment: str, root: Path | None = None) -> dict[t
     included (runs under names or seeds since removed do not count), each with the MLflow run
     its DVC metrics file under `root` names: the run whose outputs the workspace holds (after
     `dvc exp apply` too), None where there is no such file."""
-    from pfl_tasks.runs import RunPaths
-
     exp = params.experiment(experiment)
     names = list(exp.algorithms)
     if experiment in params.learn2pfed:
