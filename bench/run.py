@@ -7,6 +7,9 @@ by side in this one run: repetitions interleave the setups, and each time is a m
       per step and with one task per round (engine.round_tasks)
   P3  per-round time at K=100 sampled clients for N = 100, 1,000, 10,000 clients of a
       ~100k-parameter model with per-client state (Ditto), all in one process; peak RSS
+  P4  uneven clients: vectorized vs sequential FedProx round, one epoch of batch 8 per client,
+      on FedProx Synthetic(0.5, 0.5) (natural lognormal sizes, linear model) and on digits
+      Dirichlet(0.1); and what one vmapped step costs eager and under torch.compile
   profile  where one default training run's time goes, model math or not
 
     make bench                        # = python -m bench.run
@@ -122,6 +125,86 @@ def p1(reps: int, ks: list[int], device: str = "cpu") -> list[dict]:
                      "target": {("fedavg", "mlp", 100): 10, ("fedavg", "mlp", 1000): 20}.get((alg, model, k))})
         print(f"  {rows[-1]['case']}: {rows[-1]['ratio']:.1f}x", flush=True)
     return rows
+
+
+# ----------------------------------------------------------------------------- P4
+UNEVEN = {
+    "Synthetic(0.5, 0.5) natural, 30 clients, linear": (
+        {"source": {"name": "synthetic", "alpha": 0.5, "beta": 0.5, "n_clients": 30, "size_max": 2000},
+         "partition": {"kind": "natural"}}, {"kind": "linear"}, 10),
+    "digits Dirichlet(0.1), 20 clients, mlp": (
+        {"source": {"name": "digits"}, "partition": {"kind": "dirichlet", "n_clients": 20, "alpha": 0.1,
+                                                     "min_samples": 10}}, MODELS["mlp"], None),
+}
+
+
+def uneven_federation(dataset: dict, model: dict, executor: str, device: str = "cpu") -> Federation:
+    """FedProx (mu 0.01) on `dataset`'s seed-0 partition, one epoch of batch 8 per round."""
+    from pfl_tasks.data import build_partition, load_partition, write_partition
+
+    params = parse_params({
+        "datasets": {"d": dataset}, "experiments": {"e": {"dataset": "d", "model": model, "algorithms": ["fedprox"]}},
+        "federation": {"rounds": 1}, "local": {"epochs": 1, "batch_size": 8, "optimizer": {"lr": 0.05}},
+        "engine": {"executor": executor, "device": device, "orchestrator": "inline"}})
+    table, manifest = build_partition("d", params.datasets["d"], 0)
+    with tempfile.TemporaryDirectory() as tmp:
+        write_partition(table, manifest, Path(tmp))
+        data = load_partition(Path(tmp))
+    return Federation(params.experiment("e"), build("fedprox", {"mu": 0.01}), data)
+
+
+def p4(reps: int, device: str = "cpu") -> list[dict]:
+    rows = []
+    for case, (dataset, model, target) in UNEVEN.items():
+        feds = {ex: uneven_federation(dataset, model, ex, device) for ex in ("sequential", "vectorized")}
+        counts = feds["vectorized"].train.counts
+        steps = -(-counts // counts.clamp(max=8))
+        t = interleaved({ex: one_round(fed) for ex, fed in feds.items()}, reps)
+        rows.append({"case": f"P4 fedprox {case}, 1 epoch of batch 8", "sequential_s": t["sequential"],
+                     "vectorized_s": t["vectorized"], "ratio": t["sequential"] / t["vectorized"], "target": target,
+                     "client_steps": int(steps.sum()), "padded_client_steps": len(steps) * int(steps.max()),
+                     "vmapped_steps": int(steps.max())})
+        print(f"  {rows[-1]['case']}: {rows[-1]['ratio']:.1f}x", flush=True)
+    return rows
+
+
+def compiled_step(reps: int) -> dict:
+    """One vmapped FedProx SGD step of 30 linear clients (the P4 Synthetic shapes: 60 features,
+    10 classes, batch 8), eager and under torch.compile; and the compile's one-off cost."""
+    from torch.func import functional_call, grad, vmap
+    import torch.nn.functional as F
+
+    k, batch, features, classes = 30, 8, 60, 10
+    gen = torch.Generator().manual_seed(0)
+    net = torch.nn.Linear(features, classes)
+    params = {n: torch.randn(k, *v.shape, generator=gen) for n, v in net.named_parameters()}
+    anchor = {n: v.clone() for n, v in params.items()}
+    x, y = torch.randn(k, batch, features, generator=gen), torch.randint(classes, (k, batch), generator=gen)
+
+    def objective(p, g, x, y):
+        prox = sum(((p[n] - g[n]) ** 2).sum() for n in p)
+        return F.cross_entropy(functional_call(net, p, (x,)), y) + 0.005 * prox
+
+    grads_of = vmap(grad(objective))
+
+    def sgd_step(p, g, x, y):
+        grads = grads_of(p, g, x, y)
+        return {n: p[n] - 0.05 * grads[n] for n in p}
+
+    compiled = torch.compile(sgd_step)
+    start = time.perf_counter()
+    compiled(params, anchor, x, y)
+    compile_s = time.perf_counter() - start
+
+    def many(step):
+        return lambda: [step(params, anchor, x, y) for _ in range(100)]
+
+    t = interleaved({"eager": many(sgd_step), "compiled": many(compiled)}, reps)
+    row = {"case": "P4 one vmapped FedProx step, 30 linear clients", "eager_us": t["eager"] * 1e4,
+           "compiled_us": t["compiled"] * 1e4, "ratio": t["eager"] / t["compiled"], "compile_s": compile_s}
+    print(f"  {row['case']}: eager {row['eager_us']:.0f}us, compiled {row['compiled_us']:.0f}us, "
+          f"compile {compile_s:.0f}s", flush=True)
+    return row
 
 
 # ----------------------------------------------------------------------------- P2
@@ -287,6 +370,16 @@ def markdown(result: dict) -> str:
         lines.append(f"| {r['case']} (Prefect / inline, per round) | {r['prefect_s_per_round']:.3f}s / "
                      f"{r['inline_s_per_round']:.3f}s | {100 * r['overhead']:+.1f}% | ≤ +10% | "
                      f"{'yes' if r['overhead'] <= r['target_max'] else 'NO'} |")
+    for r in result.get("p4", []):
+        met = "" if r["target"] is None else ("yes" if r["ratio"] >= r["target"] else "NO")
+        lines.append(f"| {r['case']} (sequential / vectorized; {r['client_steps']} client-steps, "
+                     f"{r['padded_client_steps']} if padded, {r['vmapped_steps']} vmapped steps) "
+                     f"| {r['sequential_s']:.3f}s / {r['vectorized_s']:.3f}s | {r['ratio']:.1f}x "
+                     f"| {'≥ %dx' % r['target'] if r['target'] else ''} | {met} |")
+    if "p4_compiled" in result:
+        r = result["p4_compiled"]
+        lines.append(f"| {r['case']} (eager / torch.compile; compiling took {r['compile_s']:.0f}s) "
+                     f"| {r['eager_us']:.0f}us / {r['compiled_us']:.0f}us | {r['ratio']:.1f}x | | |")
     r = result["p3"]
     per_n = ", ".join(f"N={n}: {s:.3f}s" for n, s in r["round_s"].items())
     lines.append(f"| {r['case']} (round time, max / min over N) | {per_n} | {r['ratio']:.2f}x | ≤ 1.2x "
@@ -308,7 +401,7 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(13, 4))
-    p1 = result["p1"]
+    p1 = result["p1"] + result.get("p4", [])
     axes[0].barh([r["case"][3:] for r in p1], [r["ratio"] for r in p1])
     for target in {r["target"] for r in p1 if r["target"]}:
         axes[0].axvline(target, ls="--", color="gray")
@@ -345,6 +438,9 @@ def main(argv: list[str] | None = None) -> int:
     import flows  # noqa: F401  (environment defaults for Prefect and MLflow)
     print("P1 vectorized vs sequential", flush=True)
     result["p1"] = p1(reps, [20, 100] if args.quick else [100, 1000])
+    print("P4 uneven clients", flush=True)
+    result["p4"] = p4(reps)
+    result["p4_compiled"] = compiled_step(reps)
     print("P2 Prefect vs inline", flush=True)
     result["p2"] = p2(reps, 5 if args.quick else 20)
     print("P3 cost in sampled K, not total N", flush=True)

@@ -6,7 +6,7 @@ import torch
 from conftest import run_rounds, tiny_federation, tiny_params
 from pfl_tasks.algorithms import ALGORITHMS
 from pfl_tasks.config import parse_params
-from pfl_tasks.engine.executor import SequentialTrainer, batch_schedule
+from pfl_tasks.engine.executor import SequentialTrainer, VectorizedTrainer, batch_schedule
 from pfl_tasks.engine.state import tree_map
 
 
@@ -94,11 +94,12 @@ def test_epochs_budget_gives_each_client_its_own_step_count():
     assert sched.active.sum(1).tolist() == [2, 6]  # 2 * ceil(n / min(16, n))
 
 
+@pytest.mark.parametrize("budget", [{}, {"epochs": 1}], ids=["steps", "epochs"])  # epochs: uneven step counts
 @pytest.mark.parametrize("algorithm", sorted(ALGORITHMS))
-def test_vectorized_equals_sequential_for_every_algorithm(digits6, algorithm, device):
+def test_vectorized_equals_sequential_for_every_algorithm(digits6, algorithm, device, budget):
     hp = {"feddyn": {"alpha": 0.1}}.get(algorithm, {})
-    fed, vec = run(digits6, algorithm, "vectorized", hp=hp, device=device)
-    _, seq = run(digits6, algorithm, "sequential", hp=hp, device=device)
+    fed, vec = run(digits6, algorithm, "vectorized", hp=hp, device=device, local=budget)
+    _, seq = run(digits6, algorithm, "sequential", hp=hp, device=device, local=budget)
     assert vec.grad_samples == seq.grad_samples  # the last round's compute, counted either way
     assert vec.grad_samples > 0 or algorithm == "l2sgd"  # L2SGD's third round only communicates
     for view in (fed.algorithm.personalized, lambda s, c: (fed.algorithm.global_model(s, c), False)):
@@ -106,6 +107,24 @@ def test_vectorized_equals_sequential_for_every_algorithm(digits6, algorithm, de
         b, _ = view(seq.server, seq.clients)
         if a is not None:
             assert_trees_close(a, b)
+
+
+def test_uneven_clients_cost_their_real_steps_and_results_do_not_depend_on_chunking(digits6):
+    """Each vectorized step runs only the clients still within their budget, and how clients
+    are chunked changes no result."""
+    fed = tiny_federation(digits6, "fedavg", local={"epochs": 1})
+    ids = torch.arange(6)
+    local = fed.exp.local
+    sched = batch_schedule(digits6.train.counts, ids, local, 0, 0, 0)
+    steps = sched.active.sum(1)
+    assert steps.min() < steps.max()  # uneven
+    trainer = VectorizedTrainer(fed.fresh_net(), "classification", fed.train, ids, local, 0, 0)
+    _, plans = trainer._plan(sched)
+    assert [p.width for p in plans] == [int((steps > s).sum()) for s in range(int(steps.max()))]
+    assert sum(p.width for p in plans) == steps.sum()  # no masked steps
+    runs = [run(digits6, "fedavg", "vectorized", local={"epochs": 1}, chunk_size=c)[1] for c in (1, 4, 6)]
+    for other in runs[1:]:
+        assert_trees_close(other.server, runs[0].server, atol=1e-6)
 
 
 @pytest.mark.parametrize("algorithm,views", [("fedavg", 1), ("ditto", 2), ("local", 1)])

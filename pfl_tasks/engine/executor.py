@@ -26,7 +26,7 @@ from torch.func import functional_call, grad, vmap
 from pfl_tasks.config import LocalConfig
 from pfl_tasks.data import ClientSplit
 from pfl_tasks.engine import optim
-from pfl_tasks.engine.state import Params, Stack, Tree, to_device, tree_map, tree_zip, where_active
+from pfl_tasks.engine.state import Params, Stack, Tree, to_device, tree_map, tree_zip
 
 DataLoss = Callable[[Params], torch.Tensor]
 Objective = Callable[[DataLoss, Params, Tree], torch.Tensor]
@@ -68,13 +68,13 @@ class Schedule:
 
 @dataclass(frozen=True)
 class StepPlan:
-    """One step of a vectorized fit, its tensors already on the device: the chunk's rows of
-    the flat split, which entries are real, which clients are still within their budget
-    (None: all), and the real rows in all (for the compute accounting)."""
+    """One step of a vectorized fit over the chunk in budget order, its tensors already on
+    the device: the first `width` clients are still within their budget and step; their rows
+    of the flat split, which entries are real, and the real rows in all (compute accounting)."""
 
-    rows: torch.Tensor  # [K, B]
-    mask: torch.Tensor  # [K, B]
-    active: torch.Tensor | None  # [K]
+    width: int
+    rows: torch.Tensor  # [width, B]
+    mask: torch.Tensor  # [width, B]
     samples: int
 
 
@@ -187,11 +187,11 @@ class LocalTrainer(ABC):
 class VectorizedTrainer(LocalTrainer):
     def fit(self, params, objective=data_objective, aux=None, stream=0, trainable=None, local=None):
         local = local or self.local
-        sched = self.schedule(stream, local)
+        order, plans = self._plan(self.schedule(stream, local))
         keys = trainable if trainable is not None else set(params)
+        params, aux = order.arrange(params), order.arrange(aux or {})
         train = {k: v.clone() for k, v in params.items() if k in keys}
         frozen = {k: v for k, v in params.items() if k not in keys}
-        aux = aux or {}
 
         def client_objective(train_p, frozen_p, x, y, mask, aux_k):
             def data_loss(p):
@@ -203,16 +203,19 @@ class VectorizedTrainer(LocalTrainer):
 
         grads_of = vmap(grad(client_objective))
         opt_state = optim.init_state(local.optimizer, train)
-        for s, plan in enumerate(self._plan(sched)):
+        for s, plan in enumerate(plans):
             x, y = self.train.x[plan.rows], self.train.y[plan.rows]
-            g = grads_of(train, frozen, x, y, plan.mask, aux)
+            g = grads_of(*_first(plan.width, train, frozen), x, y, plan.mask, _first(plan.width, aux)[0])
             self._count_step(plan.samples)
-            train, opt_state = optim.step(local.optimizer, train, g, opt_state, s, plan.active)
-        return {**frozen, **train}
+            new, new_state = optim.step(local.optimizer, *_first(plan.width, train, g, opt_state), s)
+            train, opt_state = _update_first(train, new), _update_first(opt_state, new_state)
+        return order.restore({**frozen, **train})
 
     def scan(self, carry, step, aux=None, stream=0, local=None, per_step=None):
         sched = self.schedule(stream, local or self.local)
-        per_step = per_step(*sched.index.shape[1:]) if per_step else {}
+        order, plans = self._plan(sched)
+        per_step = order.arrange(to_device(per_step(*sched.index.shape[1:]) if per_step else {}, self.device))
+        carry, aux = order.arrange(carry), order.arrange(aux or {})
 
         def client_step(c, x, y, mask, a, extra):
             weight = mask / mask.sum()
@@ -224,23 +227,59 @@ class VectorizedTrainer(LocalTrainer):
             return step(c, data_loss, a, Batch(x, y, weight, extra, self._record_pass))
 
         stepped = vmap(client_step)
-        per_step = to_device(per_step, self.device)
-        for s, plan in enumerate(self._plan(sched)):
+        for s, plan in enumerate(plans):
             x, y = self.train.x[plan.rows], self.train.y[plan.rows]
-            extra = tree_map(lambda t: t[:, s], per_step)
-            new = stepped(carry, x, y, plan.mask, aux or {}, extra)
+            extra = tree_map(lambda t: t[: plan.width, s], per_step)
+            new = stepped(*_first(plan.width, carry), x, y, plan.mask, *_first(plan.width, aux), extra)
             self._count_step(plan.samples)
-            carry = tree_zip(lambda n, o: where_active(plan.active, n, o), new, carry)
-        return carry
+            carry = _update_first(carry, new)
+        return order.restore(carry)
 
-    def _plan(self, sched: Schedule) -> list[StepPlan]:
-        """Every step's tensors, uploaded in one go; the per-step facts read on the host."""
-        rows = self._rows(sched)
-        up = to_device({"mask": sched.mask.to(self.train.x.dtype), "active": sched.active}, self.device)
-        everyone = sched.active.all(0).tolist()
+    def _plan(self, sched: Schedule) -> tuple[BudgetOrder, list[StepPlan]]:
+        """The chunk's budget order and every step's tensors, uploaded in one go; the widths
+        and sample counts read on the host."""
+        order = BudgetOrder(sched.active.sum(1), self.device)
+        perm = order.host_perm
+        up = to_device({"rows": (self.offsets[:, None, None] + sched.index)[perm],
+                        "mask": sched.mask[perm].to(self.train.x.dtype)}, self.device)
+        rows, mask = up["rows"], up["mask"]
+        widths = sched.active.sum(0).tolist()
         samples = sched.mask.sum((0, 2)).tolist()
-        return [StepPlan(rows[:, s], up["mask"][:, s], None if everyone[s] else up["active"][:, s], samples[s])
-                for s in range(len(samples))]
+        return order, [StepPlan(w, rows[:w, s], mask[:w, s], samples[s]) for s, w in enumerate(widths)]
+
+
+class BudgetOrder:
+    """A chunk's clients longest budget first (stable), so the clients still within their
+    budget at any step are a prefix; the identity (no copies) when every budget is equal."""
+
+    def __init__(self, steps: torch.Tensor, device: torch.device):
+        self.uniform = bool((steps == steps[0]).all())
+        self.host_perm = torch.arange(len(steps)) if self.uniform else torch.argsort(-steps, stable=True)
+        if not self.uniform:
+            self._perm = to_device({"p": self.host_perm}, device)["p"]
+            self._inverse = torch.argsort(self._perm)
+
+    def arrange(self, tree: Tree) -> Tree:
+        """Client rows in budget order: a fresh copy, so steps may write into it."""
+        return tree if self.uniform else tree_map(lambda t: t[self._perm.to(t.device)], tree)
+
+    def restore(self, tree: Tree) -> Tree:
+        return tree if self.uniform else tree_map(lambda t: t[self._inverse.to(t.device)], tree)
+
+
+def _first(width: int, *trees: Tree) -> tuple[Tree, ...]:
+    """The first `width` client rows of each tree (views)."""
+    return tuple(tree_map(lambda t: t[:width], tree) for tree in trees)
+
+
+def _update_first(tree: Tree, new: Tree) -> Tree:
+    """`tree` with its first rows replaced by `new` (its rows for the clients that stepped):
+    the rest, clients past their budget, keep their values."""
+
+    def put(old: torch.Tensor, fresh: torch.Tensor) -> torch.Tensor:
+        return fresh if len(fresh) == len(old) else torch.cat([fresh, old[len(fresh):]])
+
+    return tree_zip(put, tree, new)
 
 
 class SequentialTrainer(LocalTrainer):

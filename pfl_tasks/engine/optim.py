@@ -1,7 +1,5 @@
 """Functional optimizers over (stacked) parameter dicts, matching `torch.optim` semantics.
 
-`step` takes an `active` mask of shape [K] (or a scalar, or None when every client steps):
-clients whose local budget is spent keep their parameters and optimizer state unchanged.
 Algorithms that write their own local steps inside `LocalTrainer.scan` carry one client's
 optimizer as `start(cfg, params)` and apply it with `apply`, so the configured optimizer
 (momentum, weight decay, Adam) drives their steps too.
@@ -12,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from pfl_tasks.config import OptimizerConfig
-from pfl_tasks.engine.state import Params, where_active
+from pfl_tasks.engine.state import Params
 
 
 def init_state(cfg: OptimizerConfig, params: Params) -> dict[str, Params]:
@@ -32,11 +30,9 @@ def step(
     grads: Params,
     state: dict[str, Params],
     step_index: int | torch.Tensor,
-    active: torch.Tensor | None,
     lr: float | torch.Tensor | None = None,
 ) -> tuple[Params, dict[str, Params]]:
-    """One optimizer step (`step_index` counts from 0) for every client where `active`, at
-    `lr` (default: the configured one; a tensor for step-size schedules)."""
+    """One optimizer step (`step_index` counts from 0) for every client, at `lr` (default: the configured one; a tensor for step-size schedules)."""
     lr = cfg.lr if lr is None else lr
     new_params, new_state = {}, {key: {} for key in state}
     for name, p in params.items():
@@ -50,15 +46,13 @@ def step(
             t = step_index + 1
             denom = (v.sqrt() / (1 - b2**t) ** 0.5) + cfg.eps
             update = (lr / (1 - b1**t)) * m / denom
-            new_state["exp_avg"][name] = where_active(active, m, state["exp_avg"][name])
-            new_state["exp_avg_sq"][name] = where_active(active, v, state["exp_avg_sq"][name])
+            new_state["exp_avg"][name], new_state["exp_avg_sq"][name] = m, v
         else:
             if cfg.momentum:
                 buf = cfg.momentum * state["momentum"][name] + g
-                new_state["momentum"][name] = where_active(active, buf, state["momentum"][name])
-                g = buf
+                new_state["momentum"][name] = g = buf
             update = lr * g
-        new_params[name] = where_active(active, p - update, p)
+        new_params[name] = p - update
     return new_params, new_state
 
 
@@ -72,7 +66,7 @@ def start(cfg: OptimizerConfig, params: Params) -> dict:
 def apply(cfg: OptimizerConfig, params: Params, grads: Params, carry: dict,
           lr: float | torch.Tensor | None = None) -> tuple[Params, dict]:
     """`step` inside a `scan` step, where `carry` (from `start`) is one client's."""
-    new, state = step(cfg, params, grads, carry["state"], carry["t"], None, lr)
+    new, state = step(cfg, params, grads, carry["state"], carry["t"], lr)
     return new, {"state": state, "t": carry["t"] + 1}
 
 

@@ -102,13 +102,6 @@ def per_row(values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return values.reshape(-1, *([1] * (like.dim() - 1)))
 
 
-def where_active(active: torch.Tensor | None, new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
-    """`new` for clients where `active` ([K] or scalar), `old` elsewhere; None: every client."""
-    if active is None:
-        return new
-    return torch.where(per_row(active, new) if active.dim() else active, new, old)
-
-
 def leaves(tree: Tree, prefix: str = ""):
     """(dotted name, tensor) of every leaf."""
     for k, v in tree.items():
