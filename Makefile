@@ -20,8 +20,8 @@ $(VENV)/.installed: requirements.txt requirements.lock
 	$(BIN)/pip install --quiet --disable-pip-version-check -r requirements.txt -c requirements.lock
 	touch $@
 
-run: venv
-	$(BIN)/dvc repro
+run: venv  # dvc.yaml from params.yaml, then dvc repro with one Prefect server (UI URL printed)
+	$(BIN)/python -m flows.repro
 
 quick: venv  # the one-minute quickstart: params-quick.yaml end to end, its outputs in quickstart/
 	$(BIN)/python -m flows.pipeline --params params-quick.yaml --root quickstart

@@ -24,8 +24,8 @@ import torch
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 
-from flows.stage import prefect_api, stage_main
-from pfl_tasks.algorithms import build, validate_params
+from flows.stage import prefect_api, stage_main, stage_name
+from pfl_tasks.algorithms import build, source_file, validate_params
 from pfl_tasks.algorithms.learn2pfed import Cells
 from pfl_tasks.algorithms.learn2pfed_meta import (
     costs, evaluate, make_optimizer, meta_epoch, padded_problem, participation,
@@ -33,10 +33,11 @@ from pfl_tasks.algorithms.learn2pfed_meta import (
 from pfl_tasks.config import ConfigError, Learn2pFedConfig, ResolvedExperiment, config_hash, load_params
 from pfl_tasks.data import FederatedData, load_partition, partition_dir
 from pfl_tasks.engine.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from pfl_tasks.imports import code_hash, run_code
 from pfl_tasks.nets import build_net, embed, head_keys, split_net
 from pfl_tasks.runs import Run, RunPaths
 from pfl_tasks.tracking import (
-    final_metrics, flatten, open_store, per_client_rows, run_tags, source_hash, summarize_eval, tracking_uri,
+    final_metrics, flatten, open_store, per_client_rows, run_tags, summarize_eval, tracking_uri,
     write_csv,
 )
 
@@ -54,6 +55,14 @@ class Problems:
     partition: str
 
 
+def learn2pfed_code(params, experiment: str) -> list[Path]:
+    """The code a Learn2pFed run imports: this flow's, and the module of the algorithm whose
+    checkpoint gives its features, if any."""
+    upstream = params.learn2pfed[experiment].features_from
+    hyper = params.experiment(experiment).hyper
+    return run_code(Path(__file__), *([source_file(upstream, hyper[upstream])] if upstream else []))
+
+
 def upstream_features(exp: ResolvedExperiment, params, data: FederatedData, run_name: str, root: Path):
     """(features, w0, hash): the trained body of `run_name`'s checkpoint as a frozen feature
     map, its head [classes, hidden + 1] flattened as the cells' starting w."""
@@ -64,10 +73,10 @@ def upstream_features(exp: ResolvedExperiment, params, data: FederatedData, run_
         raise ConfigError(f"{where}: '{run_name}' diverged at round {outcome['round']} ({paths.metrics}): "
                           "no trained body to take features from")
     if not path.exists():
-        raise CheckpointError(f"{path}: missing; run `dvc repro train@{exp.name}` first")
+        raise CheckpointError(f"{path}: missing; run `dvc repro {stage_name('train', exp.name, run_name)}` first")
     ckpt = load_checkpoint(path, {"experiment": exp.name, "algorithm": run_name})
     if ckpt["round"] != exp.federation.rounds:
-        raise CheckpointError(f"{path}: at round {ckpt['round']} of {exp.federation.rounds}; finish train@{exp.name} first")
+        raise CheckpointError(f"{path}: at round {ckpt['round']} of {exp.federation.rounds}; finish {stage_name('train', exp.name, run_name)} first")
     model = build(run_name, exp.hyper[run_name]).global_model(ckpt["server"], ckpt["clients"])
     if model is None:
         raise ConfigError(f"{where}: '{run_name}' has no global model to take a body from")
@@ -138,7 +147,7 @@ def learn2pfed_flow(experiment: str, supervision: str, seed: int, params_path: s
     config = {
         "experiment": exp.model_dump(mode="json", exclude={"engine", "algorithms", "hyper", "seeds", "federation", "local"}),
         "learn2pfed": cfg.model_dump(mode="json", exclude={"supervision": True, "meta": {"epochs", "checkpoint_every"}}),
-        "supervision": supervision, "data": data_hash, "upstream": problems.upstream, "code": source_hash(),
+        "supervision": supervision, "data": data_hash, "upstream": problems.upstream, "code": code_hash(learn2pfed_code(params, experiment)),
     }
     identity = {"experiment": exp.name, "algorithm": run_name, "config_hash": config_hash(config),
                 "config": json.dumps(config, sort_keys=True)}

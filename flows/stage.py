@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -20,7 +21,6 @@ import traceback
 import urllib.request
 from collections.abc import Callable, Iterator
 
-from pfl_tasks.reports import ComparisonError
 from pfl_tasks.config import ConfigError
 from pfl_tasks.data import DataValidationError
 from pfl_tasks.data.partition import PartitionError
@@ -28,7 +28,7 @@ from pfl_tasks.data.sources import SourceError
 from pfl_tasks.engine.checkpoint import CheckpointError
 from pfl_tasks.files import OutputLockedError
 from pfl_tasks.runs import RunStopped
-from pfl_tasks.tracking import TrackingError
+from pfl_tasks.tracking import ComparisonError, TrackingError
 
 EXPECTED = (ConfigError, DataValidationError, PartitionError, SourceError, CheckpointError, OutputLockedError,
             TrackingError, ComparisonError)
@@ -45,6 +45,11 @@ def _die_with(parent: int) -> Callable[[], None]:
     return preexec
 
 
+def stage_name(*parts: str) -> str:
+    """DVC stage names take letters, digits, '_' and '-': a run name's '.' becomes '_'."""
+    return "-".join(re.sub(r"[^\w-]", "_", p) for p in parts)
+
+
 def _free_port() -> int:
     import socket
 
@@ -54,9 +59,10 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def prefect_api() -> Iterator[str]:
+def prefect_api(ui: bool = False) -> Iterator[str]:
     """The Prefect API this stage's flows report to: PREFECT_API_URL when set, else a server of
-    the stage's own, stopped (SIGTERM to its PID) when the stage ends, however it ends."""
+    the stage's own (with its web UI if `ui`), stopped (SIGTERM to its PID) when the stage
+    ends, however it ends."""
     from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS, temporary_settings
 
     if PREFECT_API_URL.value():
@@ -68,7 +74,7 @@ def prefect_api() -> Iterator[str]:
         proc = subprocess.Popen(
             [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with(os.getpid()),
-            env={**os.environ, "PREFECT_SERVER_UI_ENABLED": "false"},
+            env={**os.environ, "PREFECT_SERVER_UI_ENABLED": str(ui).lower()},
         )
         try:
             deadline = time.monotonic() + PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS.value()

@@ -26,7 +26,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.task_runners import ThreadPoolTaskRunner
 from pydantic import ValidationError
 
-from pfl_tasks.algorithms import build, validate_params
+from pfl_tasks.algorithms import build, source_file, validate_params
 from pfl_tasks.algorithms.federation import Federation, InlineSteps, RunState, run_round
 from flows.stage import prefect_api, stage_main
 from pfl_tasks.config import (
@@ -37,6 +37,7 @@ from pfl_tasks.data import load_partition, partition_dir
 from pfl_tasks.engine.checkpoint import CheckpointError, save_checkpoint
 from pfl_tasks.engine.device import describe
 from pfl_tasks.engine.state import gather
+from pfl_tasks.imports import code_hash, run_code
 from pfl_tasks.runs import Run, RunPaths
 from pfl_tasks.tracking import (
     dvc_curve,
@@ -49,7 +50,6 @@ from pfl_tasks.tracking import (
     plateau,
     run_tags,
     selected_index,
-    source_hash,
     summarize_eval,
     tracking_uri,
     write_csv,
@@ -195,7 +195,8 @@ def prefect_steps(engine: EngineConfig):
 
 # ----------------------------------------------------------------------------- one run
 def run_identity(exp: ResolvedExperiment, run_name: str, raw_hp: dict, data_hash: str) -> dict:
-    """What a checkpoint must share with this run to be resumed: config, data and library code.
+    """What a checkpoint must share with this run to be resumed: config, data and the code the
+    run imports (`pfl_tasks.imports`).
     `federation.rounds` is left out (a longer run continues a shorter one), and so is the
     engine (another executor or chunking computes the same numbers up to rounding; the
     platform, which decides the rounding, is checked on its own)."""
@@ -203,7 +204,7 @@ def run_identity(exp: ResolvedExperiment, run_name: str, raw_hp: dict, data_hash
         "experiment": exp.model_dump(mode="json", exclude={"engine", "algorithms", "hyper", "seeds"}),
         "algorithm": raw_hp,
         "data": data_hash,
-        "code": source_hash(),
+        "code": code_hash(run_code(Path(__file__), source_file(run_name, raw_hp))),
     }
     config["experiment"]["federation"].pop("rounds")
     return {
@@ -339,6 +340,10 @@ def train_experiment(
     `seeds`), in this one process (one Prefect start); results keyed by (algorithm, seed)."""
     params = validate_params(load_params(params_path))
     exp = params.experiment(experiment)
+    unlisted = sorted(set(algorithms or []) - set(exp.algorithms))
+    if unlisted:
+        raise ConfigError(f"experiments.{experiment} does not run {unlisted} (it runs {exp.algorithms}); "
+                          "if dvc.yaml asked for them, it is older than params.yaml: python -m flows.stages")
     open_store(tracking_uri(params.tracking.mlflow_uri))
     results = {}
     orchestrated = exp.engine.orchestrator == "prefect"

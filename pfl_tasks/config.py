@@ -332,7 +332,7 @@ class MetaOptimizer(Strict):
 
 
 class Learn2pFedConfig(Strict):
-    """The downstream `learn2pfed@<experiment>` stage: Learn2pFed on that experiment's data,
+    """The downstream `learn2pfed-<experiment>` stage: Learn2pFed on that experiment's data,
     one run per supervision signal and seed of the experiment."""
 
     cells: PositiveInt = 10

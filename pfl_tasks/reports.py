@@ -28,14 +28,10 @@ from pfl_tasks.engine.evaluate import HIGHER_IS_BETTER
 from pfl_tasks.files import atomic_write, atomic_write_text
 from pfl_tasks.runs import RunPaths
 from pfl_tasks.stats import TEST_NAME, holm, mean_ci, paired_pvalue
-from pfl_tasks.tracking import PLATEAU_TOLERANCE, local_artifact_dir
+from pfl_tasks.tracking import PLATEAU_TOLERANCE, ComparisonError, local_artifact_dir
 
 ALPHA = 0.05
 CLIENTS_TABLE = "clients_selected.csv"  # each client's metrics at the round selected on validation
-
-
-class ComparisonError(ValueError):
-    pass
 
 
 def configured_runs(params, experiment: str, root: Path | None = None) -> dict[tuple[str, int], str | None]:

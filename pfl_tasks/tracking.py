@@ -21,6 +21,10 @@ from pfl_tasks.files import atomic_write_text
 PRIMARY = {"classification": "acc", "regression": "mse"}
 
 
+class ComparisonError(ValueError):
+    """The tracked runs cannot make the comparison asked for (missing experiment or runs)."""
+
+
 def summarize_eval(metrics: dict[str, dict[str, dict[str, torch.Tensor]]]) -> dict[str, float]:
     """Flat aggregates over clients, such as `val/personalized/acc_mean`, `test/global/loss_worst10`,
     from per-client metrics split -> model (personalized, global) -> metric -> [N]."""
@@ -177,16 +181,6 @@ def progress(desc: str, total: int, done: int, unit: str):
 
     return tqdm(total=total, initial=done, desc=desc, unit=unit, dynamic_ncols=True,
                 disable=True if os.environ.get("CI") else None)
-
-
-def source_hash() -> str:
-    """Hash of the library's source: a checkpoint from other code is not resumed."""
-    import hashlib
-
-    digest = hashlib.sha256()
-    for path in sorted(Path(__file__).parent.rglob("*.py")):
-        digest.update(path.read_bytes())
-    return digest.hexdigest()[:16]
 
 
 def git_commit() -> str:

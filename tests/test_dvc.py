@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -11,9 +12,15 @@ import pytest
 import yaml
 
 from conftest import mlflow_uri, tiny_params
+from flows.stages import dvc_yaml
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
+
+
+def ran(out: str) -> set[str]:
+    """The stages a `dvc repro` output says it ran."""
+    return set(re.findall(r"Running stage '([^']+)'", out))
 
 
 def sh(args, cwd, env):
@@ -41,6 +48,7 @@ def repo_copy(tmp_path_factory):
     data["learn2pfed"] = {"tiny": {"features_from": "fedavg", "cells": 2, "meta": {"epochs": 4}}}
     data["tables"] = {"tiny": {"experiments": ["tiny"]}}
     (dst / "params.yaml").write_text(yaml.safe_dump(data))
+    (dst / "dvc.yaml").write_text(dvc_yaml(str(dst / "params.yaml")))  # as make run writes it
     env = {
         **os.environ,
         "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
@@ -58,7 +66,7 @@ def test_dvc_repro_runs_caches_and_reruns_only_what_changed(repo_copy):
     root, env = repo_copy
     dvc = [sys.executable, "-m", "dvc"]
     out = sh([*dvc, "repro"], root, env)
-    assert "Running stage 'prepare@digits'" in out and "Running stage 'train@tiny'" in out
+    assert "Running stage 'prepare-digits'" in out and "Running stage 'train-tiny-fedavg'" in out
     assert (root / "data/partitions/digits/seed-0/manifest.json").exists()
     for alg in ("local", "fedavg", "fedprox"):
         assert (root / f"models/tiny/{alg}/seed-0/checkpoint.pt").exists()
@@ -82,13 +90,22 @@ def test_dvc_repro_runs_caches_and_reruns_only_what_changed(repo_copy):
     out = sh([*dvc, "repro"], root, env)
     assert "Running stage" not in out
 
+    # an edit reruns only what imports it: the reports' code no training, one algorithm's module its stages
+    reports = root / "pfl_tasks/reports.py"
+    reports.write_text(reports.read_text() + "# an edit\n")
+    out = sh([*dvc, "repro"], root, env)
+    assert ran(out) == {"tables", "compare"}
+    fedprox = root / "pfl_tasks/algorithms/fedprox.py"
+    fedprox.write_text(fedprox.read_text() + "# an edit\n")
+    out = sh([*dvc, "repro"], root, env)
+    assert ran(out) == {"train-tiny-fedprox", "tables", "compare"}
+
     params = yaml.safe_load((root / "params.yaml").read_text())
     params["federation"]["rounds"] = 3
     (root / "params.yaml").write_text(yaml.safe_dump(params))
     out = sh([*dvc, "repro"], root, env)
-    assert "Running stage 'train@tiny'" in out and "Running stage 'prepare@digits'" not in out
-    assert "Running stage 'learn2pfed@tiny'" in out and "Running stage 'tables'" in out  # downstream
-    assert "Running stage 'compare'" in out
+    assert ran(out) == {"train-tiny-local", "train-tiny-fedavg", "train-tiny-fedprox", "learn2pfed-tiny", "tables",
+                        "compare"}  # not prepare-digits
     assert json.loads((root / "metrics/tiny/fedavg/seed-0.json").read_text())["final/round"] == 3
 
 
@@ -97,7 +114,7 @@ def test_dvc_exp_run_with_set_param(repo_copy):
     sh(["git", "add", "-A"], root, env)
     sh(["git", "commit", "-qm", "after repro", "--allow-empty"], root, env)
     out = sh([sys.executable, "-m", "dvc", "exp", "run", "-S", "federation.rounds=4"], root, env)
-    assert "Running stage 'train@tiny'" in out
+    assert "Running stage 'train-tiny-fedavg'" in out
     shown = sh([sys.executable, "-m", "dvc", "exp", "show", "--json"], root, env)
     assert "federation.rounds" in shown or '"rounds": 4' in shown
     from mlflow.tracking import MlflowClient  # its MLflow runs name the experiment
@@ -117,3 +134,23 @@ def test_repro_flow_streams_dvc_repro_and_fails_loudly(repo_copy, prefect_harnes
     repro_flow(root=str(root))  # nothing to rerun: completes
     with pytest.raises(RuntimeError, match="dvc repro exited with status"):
         repro_flow(targets=["no-such-stage"], root=str(root))
+
+
+def test_make_run_serves_one_prefect_ui_and_stops_it_however_dvc_ends(repo_copy):
+    """`python -m flows.repro` (make run): dvc.yaml from params.yaml, one server on 127.0.0.1
+    whose UI URL it prints, `dvc repro` with its arguments, and the server gone afterwards."""
+    import socket
+    import urllib.parse
+
+    root, env = repo_copy
+    env = {k: v for k, v in env.items() if k != "PREFECT_API_URL"}
+    for args, ok in (([], True), (["no-such-stage"], False)):
+        out = subprocess.run([sys.executable, "-m", "flows.repro", *args], cwd=root, env=env, capture_output=True,
+                             text=True, timeout=300)
+        assert (out.returncode == 0) == ok, out.stdout[-2000:] + out.stderr[-2000:]
+        url = re.search(r"Prefect UI \(every stage's flow runs, live\): (http://\S+)", out.stdout).group(1)
+        where = urllib.parse.urlsplit(url)
+        assert where.hostname == "127.0.0.1"
+        with socket.socket() as sock:  # nothing listens there any more
+            assert sock.connect_ex((where.hostname, where.port)) != 0
+    assert "not found inside 'dvc.yaml'" in out.stderr  # dvc's own error, then its status

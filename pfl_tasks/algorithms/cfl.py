@@ -37,7 +37,6 @@ from typing import Annotated
 
 import torch
 from pydantic import Field
-from sklearn.cluster import AgglomerativeClustering
 
 from pfl_tasks.algorithms.base import Algorithm, HyperParams
 from pfl_tasks.algorithms.registry import register
@@ -53,6 +52,8 @@ class CFLHyper(HyperParams):
 def bipartition(updates: torch.Tensor) -> tuple[torch.Tensor, float]:
     """(True for the clients of the second half, the largest cosine similarity across the
     halves); `updates` [m, d] are flattened dW_i."""
+    from sklearn.cluster import AgglomerativeClustering  # here: sklearn adds ~1 s to every run's start
+
     unit = updates / (updates.norm(dim=1, keepdim=True) + 1e-12)
     similarity = (unit @ unit.T).double().cpu()
     linkage = AgglomerativeClustering(n_clusters=2, metric="precomputed", linkage="complete")

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import inspect
+from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
@@ -36,6 +38,11 @@ def build(run_name: str, raw: dict[str, Any], where: str | None = None):
             for e in err.errors()
         ]
         raise ConfigError("invalid configuration:\n" + "\n".join(lines)) from None
+
+
+def source_file(run_name: str, raw: dict[str, Any]) -> Path:
+    """The module that defines run `run_name`'s algorithm."""
+    return Path(inspect.getfile(type(build(run_name, raw))))
 
 
 def validate_params(params: Params) -> Params:

@@ -1,0 +1,129 @@
+"""Writes dvc.yaml from params.yaml: one `train-<experiment>-<run>` stage per (experiment,
+run), so an edit reruns only what it touches. Each stage depends on the params keys its run
+reads and on the source files its run imports (`pfl_tasks.imports`): editing one algorithm's
+module reruns only that algorithm's stages (and the reports after them), and editing the
+reports reruns no training. `make run` writes it before `dvc repro`; after changing an
+experiment's list of algorithms, run it yourself:
+
+    python -m flows.stages            # dvc.yaml from params.yaml
+    python -m flows.stages --check    # exit 1 if dvc.yaml is not what params.yaml gives
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import yaml
+
+import flows  # noqa: F401  (environment defaults)
+from flows.learn2pfed import learn2pfed_code
+from flows.stage import stage_main, stage_name
+from pfl_tasks.algorithms import source_file, validate_params
+from pfl_tasks.config import ConfigError, load_params, read_params
+from pfl_tasks.files import atomic_write_text
+from pfl_tasks.imports import ROOT, run_code
+
+HEADER = """\
+# Written by `python -m flows.stages` from params.yaml (`make run` does it first): edit params.yaml,
+# not this file. `dvc repro` runs prepare-<dataset> -> train-<experiment>-<run> -> learn2pfed-<experiment>
+# -> tables, compare; each stage is a thin call into flows/ and depends on the params keys its runs
+# read and the source files they import.
+"""
+GLOBAL_KEYS = ["seed", "federation", "local", "engine", "tracking"]
+
+
+def train_stage(params, raw: dict, experiment: str, run: str) -> dict:
+    exp = params.experiment(experiment)
+    raw_exp = raw["experiments"][experiment]
+    keys = [f"experiments.{experiment}.{k}" for k in raw_exp if k not in ("algorithms", "algorithm_overrides")]
+    if run in raw_exp.get("algorithm_overrides", {}):
+        keys.append(f"experiments.{experiment}.algorithm_overrides.{run}")
+    if run in raw.get("algorithms", {}):
+        keys.append(f"algorithms.{run}")
+    code = run_code(ROOT / "flows/train.py", source_file(run, exp.hyper[run]))
+    return {
+        "cmd": f"python -m flows.train {experiment} --algorithms {run} --on-config-change restart",
+        "deps": [f"data/partitions/{exp.dataset}", *map(str, code)],
+        "params": GLOBAL_KEYS + keys,
+        "outs": [{f"models/{experiment}/{run}": {"persist": True}}],
+        "metrics": [{f"metrics/{experiment}/{run}": {"cache": False}}],
+        # one figure a run: its mean test metric (accuracy or MSE) over clients, by round
+        "plots": [{f"plots/{experiment}/{run}": {"cache": False, "x": "round", "y": "test/personalized",
+                                                 "title": f"{experiment} {run}, personalized model on test"}}],
+    }
+
+
+def learn2pfed_stage(params, experiment: str) -> dict:
+    exp, upstream = params.experiment(experiment), params.learn2pfed[experiment].features_from
+    return {
+        "cmd": f"python -m flows.learn2pfed {experiment} --on-config-change restart",
+        "deps": [f"data/partitions/{exp.dataset}", *([f"models/{experiment}/{upstream}"] if upstream else []),
+                 *map(str, learn2pfed_code(params, experiment))],
+        "params": ["seed", f"experiments.{experiment}", f"learn2pfed.{experiment}"],
+        "outs": [{f"models/learn2pfed/{experiment}": {"persist": True}}],
+        "metrics": [{f"metrics/learn2pfed/{experiment}": {"cache": False}}],
+        "plots": [{f"plots/learn2pfed/{experiment}": {"cache": False, "x": "epoch", "y": "meta_loss",
+                                                      "title": f"{experiment}, Learn2pFed meta loss"}}],
+    }
+
+
+def stages(params_path: str = "params.yaml") -> dict:
+    """dvc.yaml's content for this params file."""
+    params, raw = validate_params(load_params(params_path)), read_params(Path(params_path))
+    out = {}
+    for dataset in sorted({params.experiment(e).dataset for e in params.experiments}):
+        out[stage_name("prepare", dataset)] = {
+            "cmd": f"python -m flows.prepare {dataset}",
+            "deps": list(map(str, run_code(ROOT / "flows/prepare.py"))),
+            "params": ["seed", f"datasets.{dataset}", "experiments"],  # their seeds: one partition per seed
+            "outs": [f"data/partitions/{dataset}"],
+        }
+    for experiment in params.experiments:
+        for run in params.experiment(experiment).algorithms:
+            name = stage_name("train", experiment, run)
+            if name in out:
+                raise ConfigError(f"experiments.{experiment}: runs '{run}' and another give the same stage '{name}'")
+            out[name] = train_stage(params, raw, experiment, run)
+    for experiment in params.learn2pfed:
+        out[stage_name("learn2pfed", experiment)] = learn2pfed_stage(params, experiment)
+    reads = ["metrics"]  # every run's final metrics: the MLflow runs changed when these did
+    out["tables"] = {  # the comparison tables: methods x experiments, from MLflow as compare
+        "cmd": "python -m flows.tables", "deps": reads + list(map(str, run_code(ROOT / "flows/tables.py"))),
+        "params": ["tables", "tracking", "experiments"], "metrics": [{"reports/tables": {"cache": False}}],
+        "outs": [{"reports/markdown": {"cache": False}}],
+    }
+    out["compare"] = {  # per experiment, from MLflow: ranking over seeds, learning curves, per-client spread
+        "cmd": "python -m flows.compare", "deps": reads + list(map(str, run_code(ROOT / "flows/compare.py"))),
+        "params": ["tracking", "experiments"], "outs": [{"reports/compare": {"cache": False}}],
+        "plots": [{"reports/figures": {"cache": False}}],
+    }
+    return {"stages": out}
+
+
+def dvc_yaml(params_path: str = "params.yaml") -> str:
+    return HEADER + yaml.safe_dump(stages(params_path), sort_keys=False, width=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--params", default="params.yaml")
+    parser.add_argument("--out", default="dvc.yaml")
+    parser.add_argument("--check", action="store_true", help="only check that --out is up to date")
+    args = parser.parse_args(argv)
+
+    def work() -> None:
+        text, out = dvc_yaml(args.params), Path(args.out)
+        if args.check:
+            if not out.exists() or out.read_text() != text:
+                raise ConfigError(f"{out} is not what {args.params} gives: run `python -m flows.stages`")
+        elif not out.exists() or out.read_text() != text:
+            atomic_write_text(out, text)
+            print(f"{out}: {len(stages(args.params)['stages'])} stages from {args.params}")
+
+    return stage_main("stages", work)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
