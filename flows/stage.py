@@ -33,6 +33,7 @@ from pfl_tasks.tracking import ComparisonError, TrackingError
 EXPECTED = (ConfigError, DataValidationError, PartitionError, SourceError, CheckpointError, OutputLockedError,
             TrackingError, ComparisonError)
 PR_SET_PDEATHSIG = 1
+OUR_SERVER = "PFL_PREFECT_SERVER"  # the URL of a server a stage or `make run` started, for its child processes
 
 
 def _die_with(parent: int) -> Callable[[], None]:
@@ -62,11 +63,19 @@ def _free_port() -> int:
 def prefect_api(ui: bool = False) -> Iterator[str]:
     """The Prefect API this stage's flows report to: PREFECT_API_URL when set, else a server of
     the stage's own (with its web UI if `ui`), stopped (SIGTERM to its PID) when the stage
-    ends, however it ends."""
-    from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS, temporary_settings
+    ends, however it ends. On a server of ours (this stage's, or `make run`'s) flow runs send
+    no heartbeats: those feed only the automations that detect crashed runs, and ours run none
+    (PREFECT_SERVER_SERVICES_TRIGGERS_ENABLED=false), while waiting for the heartbeat thread
+    costs every flow run about a second (0.12 s without)."""
+    from prefect.settings import (
+        PREFECT_API_URL, PREFECT_FLOWS_HEARTBEAT_FREQUENCY, PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS,
+        temporary_settings,
+    )
 
     if PREFECT_API_URL.value():
-        yield PREFECT_API_URL.value()
+        ours = PREFECT_API_URL.value() == os.environ.get(OUR_SERVER)
+        with temporary_settings({PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}) if ours else contextlib.nullcontext():
+            yield PREFECT_API_URL.value()
         return
     port = _free_port()
     url = f"http://127.0.0.1:{port}/api"
@@ -87,14 +96,15 @@ def prefect_api(ui: bool = False) -> Iterator[str]:
                         log.seek(0)
                         raise RuntimeError(f"the stage's Prefect server did not start:\n{log.read()[-2000:]}") from None
                     time.sleep(0.2)
-            with temporary_settings({PREFECT_API_URL: url}):
-                os.environ["PREFECT_API_URL"] = url  # and for child processes (e.g. dvc repro's stages)
+            with temporary_settings({PREFECT_API_URL: url, PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
+                os.environ["PREFECT_API_URL"] = os.environ[OUR_SERVER] = url  # and for child processes (dvc's stages)
                 try:
                     yield url
                 finally:
                     with contextlib.suppress(Exception):  # never to mask how the stage ended
                         _drain_prefect_workers()  # else they retry against the stopped server at exit
                     os.environ.pop("PREFECT_API_URL", None)
+                    os.environ.pop(OUR_SERVER, None)
         finally:
             proc.terminate()
             try:

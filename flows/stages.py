@@ -89,11 +89,12 @@ def stages(params_path: str = "params.yaml") -> dict:
     for experiment in params.learn2pfed:
         out[stage_name("learn2pfed", experiment)] = learn2pfed_stage(params, experiment)
     reads = ["metrics"]  # every run's final metrics: the MLflow runs changed when these did
-    out["tables"] = {  # the comparison tables: methods x experiments, from MLflow as compare
-        "cmd": "python -m flows.tables", "deps": reads + list(map(str, run_code(ROOT / "flows/tables.py"))),
-        "params": ["tables", "tracking", "experiments"], "metrics": [{"reports/tables": {"cache": False}}],
-        "outs": [{"reports/markdown": {"cache": False}}],
-    }
+    if params.tables:
+        out["tables"] = {  # the comparison tables: methods x experiments, from MLflow as compare
+            "cmd": "python -m flows.tables", "deps": reads + list(map(str, run_code(ROOT / "flows/tables.py"))),
+            "params": ["tables", "tracking", "experiments"], "metrics": [{"reports/tables": {"cache": False}}],
+            "outs": [{"reports/markdown": {"cache": False}}],
+        }
     out["compare"] = {  # per experiment, from MLflow: ranking over seeds, learning curves, per-client spread
         "cmd": "python -m flows.compare", "deps": reads + list(map(str, run_code(ROOT / "flows/compare.py"))),
         "params": ["tracking", "experiments"], "outs": [{"reports/compare": {"cache": False}}],
