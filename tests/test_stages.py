@@ -31,7 +31,7 @@ def test_a_stage_per_experiment_and_algorithm_with_the_params_its_run_reads(tmp_
     path = tmp_path / "params.yaml"
     path.write_text(yaml.safe_dump(params))
     out = stages(str(path))["stages"]
-    assert set(out) == {"prepare-d", "train-e-fedavg", "train-e-ditto-big", "tables", "compare"}
+    assert set(out) == {"prepare-d", "train-e-fedavg", "train-e-ditto-big", "compare"}  # no tables configured
     fedavg, ditto = out["train-e-fedavg"], out["train-e-ditto-big"]
     assert "experiments.e.algorithm_overrides.fedavg" in fedavg["params"]
     assert "algorithms.ditto-big" in ditto["params"] and "experiments.e.algorithm_overrides.fedavg" not in ditto["params"]
