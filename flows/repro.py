@@ -18,18 +18,14 @@ from pathlib import Path
 
 import flows  # noqa: F401  (environment defaults)
 from flows.stage import prefect_api, stage_main
-from flows.stages import dvc_yaml
-from pfl_tasks.files import atomic_write_text
+from flows.stages import write_dvc_yaml
 
 
 def repro(dvc_args: list[str]) -> int:
     """`dvc repro`'s exit status. It runs in a process group of its own, so that an interrupt
     (Ctrl-C, SIGTERM) stops it and its stage processes cleanly, all of them before the
     server."""
-    text, out = dvc_yaml(), Path("dvc.yaml")
-    if not out.exists() or out.read_text() != text:
-        atomic_write_text(out, text)
-        print("dvc.yaml: written from params.yaml")
+    write_dvc_yaml()
     with prefect_api(ui=True) as url:
         print(f"Prefect UI (every stage's flow runs, live): {url.removesuffix('/api')}", flush=True)
         env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}

@@ -107,6 +107,14 @@ def dvc_yaml(params_path: str = "params.yaml") -> str:
     return HEADER + yaml.safe_dump(stages(params_path), sort_keys=False, width=120)
 
 
+def write_dvc_yaml(params_path: str = "params.yaml", out: Path = Path("dvc.yaml")) -> None:
+    """`out` as `params_path` gives it, rewritten (atomically) only where it differs."""
+    text = dvc_yaml(params_path)
+    if not out.exists() or out.read_text() != text:
+        atomic_write_text(out, text)
+        print(f"{out}: written from {params_path}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--params", default="params.yaml")
@@ -115,13 +123,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     def work() -> None:
-        text, out = dvc_yaml(args.params), Path(args.out)
-        if args.check:
-            if not out.exists() or out.read_text() != text:
-                raise ConfigError(f"{out} is not what {args.params} gives: run `python -m flows.stages`")
-        elif not out.exists() or out.read_text() != text:
-            atomic_write_text(out, text)
-            print(f"{out}: {len(stages(args.params)['stages'])} stages from {args.params}")
+        out = Path(args.out)
+        if not args.check:
+            write_dvc_yaml(args.params, out)
+        elif not out.exists() or out.read_text() != dvc_yaml(args.params):
+            raise ConfigError(f"{out} is not what {args.params} gives: run `python -m flows.stages`")
 
     return stage_main("stages", work)
 

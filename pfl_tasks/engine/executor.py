@@ -260,7 +260,7 @@ class BudgetOrder:
             self._inverse = torch.argsort(self._perm)
 
     def arrange(self, tree: Tree) -> Tree:
-        """Client rows in budget order: a fresh copy, so steps may write into it."""
+        """Client rows in budget order (the tree itself when every budget is equal)."""
         return tree if self.uniform else tree_map(lambda t: t[self._perm.to(t.device)], tree)
 
     def restore(self, tree: Tree) -> Tree:
