@@ -99,6 +99,42 @@ class UnrolledLSTM(nn.Module):
         return h
 
 
+STACKABLE = (nn.Flatten, nn.Linear, nn.ReLU)
+
+
+def stackable(net: nn.Module) -> bool:
+    """Whether `stacked_forward` computes this net: a Sequential of Flatten, Linear and ReLU
+    (the linear and MLP nets)."""
+    return isinstance(net, nn.Sequential) and all(isinstance(m, STACKABLE) for m in net)
+
+
+def stacked_forward(net: nn.Sequential, params: dict[str, torch.Tensor], x: torch.Tensor,
+                    start: int = 0, stop: int | None = None) -> torch.Tensor:
+    """A stackable net's outputs for K clients at once, each with its own parameters:
+    `params` [K, ...] and `x` [K, B, ...] give [K, B, outputs], by batched matmuls (ordinary
+    autograd then gives each client's gradient in its own slice, without vmap). With `start`
+    and `stop`, only the modules net[start:stop]."""
+    for i, module in enumerate(net[start:stop], start):
+        if isinstance(module, nn.Flatten):
+            x = x.flatten(2)
+        elif isinstance(module, nn.Linear):
+            weight, bias = params[f"{i}.weight"].transpose(1, 2), params.get(f"{i}.bias")
+            x = torch.bmm(x, weight) if bias is None else torch.baddbmm(bias.unsqueeze(1), x, weight)
+        else:
+            x = torch.relu(x)
+    return x
+
+
+def frozen_prefix(params, trainable: set[str]) -> int:
+    """The index of the first module with a trainable parameter when every parameter from it
+    on is trainable and none before it (FedRep's head phase: the body frozen): the modules
+    before it compute the same features all fit long. 0 otherwise."""
+    index = {name: int(name.split(".", 1)[0]) for name in params}
+    cut = min((index[name] for name in trainable), default=0)
+    frozen = set(params) - set(trainable)
+    return cut if frozen and all((index[name] >= cut) == (name in trainable) for name in params) else 0
+
+
 def init_params(net: nn.Module, seed: int) -> dict[str, torch.Tensor]:
     """Fresh parameters for `net`, reproducible from `seed` alone."""
     gen_state = torch.random.get_rng_state()
@@ -117,7 +153,7 @@ def split_net(net: nn.Sequential, params: dict[str, torch.Tensor]):
     head = head_keys(params)
     cut = int(next(iter(head)).split(".", 1)[0])
     body_params = {k: v for k, v in params.items() if k not in head}
-    return net[:cut], body_params, net[cut:], {k: params[k] for k in head}
+    return net[:cut], body_params, net[cut:], {k: v for k, v in params.items() if k in head}
 
 
 def embed(body: nn.Module, body_params: dict[str, torch.Tensor], x: torch.Tensor, block: int = 4096):

@@ -136,3 +136,96 @@ def test_evaluation_runs_once_per_distinct_view(digits6, algorithm, views):
     result = fed.evaluate(state).metrics
     assert len(calls) == 2 * views * len(fed.chunks(torch.arange(6)))
     assert len(result["val"]["personalized"]["acc"]) == len(result["test"]["personalized"]["acc"]) == 6
+
+
+def perturbed_start(data):
+    """The MLP's initial parameters for 6 clients, each slightly off the others."""
+    from pfl_tasks.engine.state import replicate
+    from pfl_tasks.nets import init_params
+
+    start = replicate(init_params(tiny_federation(data, "fedavg").net, 0), 6)
+    return {k: v + 0.01 * torch.randn(v.shape, generator=torch.Generator().manual_seed(1)) for k, v in start.items()}
+
+
+def fits_by_both_step_forms(data, monkeypatch, start, **fit_args):
+    """One fit of the MLP's 6 clients from `start` (1 epoch: uneven budgets), by the stacked
+    step and by vmap(grad): {form: (models, compute)}, and how often the stacked step ran."""
+    from pfl_tasks.engine import executor
+
+    fed = tiny_federation(data, "fedavg")
+    calls = []
+    stacked_forward = executor.stacked_forward
+    monkeypatch.setattr(executor, "stacked_forward", lambda *a, **k: calls.append(1) or stacked_forward(*a, **k))
+    out = {}
+    for form, stackable in (("stacked", executor.stackable), ("vmap", lambda net: False)):
+        monkeypatch.setattr(executor, "stackable", stackable)
+        trainer = VectorizedTrainer(fed.fresh_net(), "classification", fed.train, torch.arange(6),
+                                    fed.exp.local.model_copy(update={"epochs": 1, "steps": None}), 0, 0)
+        out[form] = (trainer.fit(dict(start), **fit_args), trainer.grad_samples)
+    return out, len(calls)
+
+
+@pytest.mark.parametrize("form", ["data", "proximal", "feddyn", "unmarked", "frozen body"])
+def test_the_stacked_step_equals_vmap_grad(digits6, monkeypatch, form):
+    """The MLP's stacked step (batched matmuls, autograd on the summed client objectives; a
+    frozen body's features computed once a fit) gives every client the model and compute
+    count that vmap(grad) gives, for each form of objective: the data loss, clientwise ones
+    called once on the stack, and an unmarked one vmapped around the stacked losses."""
+    from pfl_tasks.algorithms.base import proximal
+    from pfl_tasks.algorithms.feddyn import FedDyn
+
+    start = perturbed_start(digits6)
+    anchor = tree_map(lambda t: t.flip(0), start)  # another client's model
+    fit_args = {"data": {}, "proximal": {"objective": proximal(0.5), "aux": anchor},
+                "feddyn": {"objective": FedDyn(FedDyn.Hyper(alpha=0.1)).objective,
+                           "aux": {"anchor": anchor, "grad": tree_map(lambda t: 0.1 * t, start)}},
+                "unmarked": {"objective": lambda *args: proximal(0.5)(*args), "aux": anchor},
+                "frozen body": {"trainable": {"3.weight", "3.bias"}}}[form]
+    out, calls = fits_by_both_step_forms(digits6, monkeypatch, start, **fit_args)
+    assert calls > 0  # the stacked form ran
+    (stacked, stacked_cost), (vmapped, vmapped_cost) = out["stacked"], out["vmap"]
+    assert_trees_close(stacked, vmapped, atol=1e-6)
+    assert stacked_cost == vmapped_cost > 0
+    moved = {k: (stacked[k] - start[k]).abs().max() for k in start}
+    if form == "frozen body":
+        assert moved["1.weight"] == 0 and moved["3.weight"] > 1e-3  # only the head trained
+    else:
+        assert min(moved.values()) > 1e-4
+
+
+def test_a_stacked_objective_must_take_the_loss_of_its_own_parameters(digits6, monkeypatch):
+    def elsewhere(data_loss, params, aux):
+        return data_loss({k: 2 * v for k, v in params.items()})
+
+    with pytest.raises(ValueError, match="data loss of the parameters it is given"):
+        fits_by_both_step_forms(digits6, monkeypatch, perturbed_start(digits6), objective=elsewhere, aux={})
+
+
+def test_a_cnn_keeps_the_vmapped_step_and_equals_the_sequential_reference(digits6):
+    from pfl_tasks.nets import stackable
+
+    model = {"kind": "cnn", "channels": [4], "hidden": 8}
+    fed, vec = run(digits6, "fedprox", "vectorized", model=model)
+    _, seq = run(digits6, "fedprox", "sequential", model=model)
+    assert not stackable(fed.net) and stackable(tiny_federation(digits6, "fedprox").net)
+    assert_trees_close(vec.server, seq.server)
+
+
+@pytest.mark.parametrize("algorithm", ["pfedme", "pfedmac"])
+@pytest.mark.parametrize("optimizer", [{}, {"name": "adam", "lr": 0.01}], ids=["sgd", "adam"])
+def test_a_clientwise_scan_step_runs_on_the_whole_stack_and_equals_the_reference(digits6, monkeypatch,
+                                                                                 algorithm, optimizer):
+    """pFedMe's and pFedMac's steps (nested gradient solves) run once on the MLP's whole stack,
+    by autograd (`stacked_grad`), and give the sequential reference's models, with per-client
+    Adam step counts too."""
+    from pfl_tasks.engine import executor
+
+    calls = []
+    stacked_grad = executor.stacked_grad
+    monkeypatch.setattr(executor, "stacked_grad", lambda fn: calls.append(1) or stacked_grad(fn))
+    local = {"epochs": 1, "optimizer": optimizer}
+    fed, vec = run(digits6, algorithm, "vectorized", local=local)
+    _, seq = run(digits6, algorithm, "sequential", local=local)
+    assert calls  # the stacked form ran
+    for view in (fed.algorithm.personalized, lambda s, c: (fed.algorithm.global_model(s, c), False)):
+        assert_trees_close(view(vec.server, vec.clients)[0], view(seq.server, seq.clients)[0])

@@ -36,7 +36,7 @@ from pydantic import BaseModel, ConfigDict
 from torch import nn
 from torch.func import functional_call
 
-from pfl_tasks.engine.executor import LocalTrainer
+from pfl_tasks.engine.executor import LocalTrainer, clientwise
 from pfl_tasks.engine.state import Params, Tree, replicate
 
 ValLoss = Callable[[Tree, bool, Callable], torch.Tensor]
@@ -46,6 +46,7 @@ EVAL_STREAM = 0xE7A1  # minibatch stream of evaluation-time local work; no train
 def proximal(mu: float):
     """Objective f_k(w) + mu/2 ||w - anchor||^2, the anchor passed as the trainer's `aux`."""
 
+    @clientwise
     def objective(data_loss, params, anchor):
         return data_loss(params) + 0.5 * mu * sum(((params[k] - anchor[k]) ** 2).sum() for k in anchor)
 

@@ -18,6 +18,7 @@ from pydantic import Field
 
 from pfl_tasks.algorithms.base import Algorithm, HyperParams
 from pfl_tasks.algorithms.registry import register
+from pfl_tasks.engine.executor import clientwise
 from pfl_tasks.engine.state import broadcast, replicate, tree_zip
 
 
@@ -38,6 +39,7 @@ class FedDyn(Algorithm):
     def init_clients(self, params, n_clients):
         return {"grad": replicate({k: torch.zeros_like(v) for k, v in params.items()}, n_clients)}
 
+    @clientwise
     def objective(self, data_loss, params, aux):
         linear = sum((aux["grad"][k] * params[k]).sum() for k in params)
         prox = sum(((params[k] - aux["anchor"][k]) ** 2).sum() for k in params)

@@ -30,12 +30,12 @@ from typing import Annotated
 
 import torch
 from pydantic import Field
-from torch.func import grad
 
 from pfl_tasks.algorithms.base import HyperParams
 from pfl_tasks.algorithms.pfedme import PFedMe
 from pfl_tasks.algorithms.registry import register
 from pfl_tasks.engine import optim
+from pfl_tasks.engine.executor import clientwise
 from pfl_tasks.engine.state import broadcast
 
 
@@ -62,6 +62,7 @@ class PFedMac(PFedMe):
     def client_update(self, trainer, payload, state):
         hp, cfg = self.hp, trainer.local.optimizer
 
+        @clientwise
         def step(carry, data_loss, aux, batch):
             theta, omega = carry["theta"], carry["personal"]
 
@@ -69,7 +70,7 @@ class PFedMac(PFedMe):
                 return data_loss(w) - hp.lam * sum((w[k] * theta[k]).sum() for k in w)
 
             for _ in range(hp.inner_steps):
-                g = grad(correlation_objective)(omega)
+                g = batch.grad(correlation_objective)(omega)
                 omega = {
                     k: soft_threshold(omega[k] - hp.personal_lr * g[k], hp.personal_lr * hp.gamma)
                     for k in omega

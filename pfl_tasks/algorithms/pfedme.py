@@ -21,11 +21,11 @@ from __future__ import annotations
 from typing import Annotated
 
 from pydantic import Field
-from torch.func import grad
 
 from pfl_tasks.algorithms.base import Algorithm, HyperParams, PersonalModels, proximal
 from pfl_tasks.algorithms.registry import register
 from pfl_tasks.engine import optim
+from pfl_tasks.engine.executor import clientwise
 from pfl_tasks.engine.state import broadcast
 
 
@@ -51,10 +51,11 @@ class PFedMe(PersonalModels, Algorithm):
         hp, cfg = self.hp, trainer.local.optimizer
         prox = proximal(hp.lam)
 
+        @clientwise
         def step(carry, data_loss, aux, batch):
             omega, theta = carry["omega"], carry["personal"]
             for _ in range(hp.inner_steps):
-                g = grad(lambda p: prox(data_loss, p, omega))(theta)
+                g = batch.grad(lambda p: prox(data_loss, p, omega))(theta)
                 theta = {k: theta[k] - hp.personal_lr * g[k] for k in theta}
             envelope_grad = {k: hp.lam * (omega[k] - theta[k]) for k in omega}
             omega, opt = optim.apply(cfg, omega, envelope_grad, carry["opt"])

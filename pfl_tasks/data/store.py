@@ -230,7 +230,8 @@ def _describe(partition: dict) -> str:
 
 
 def _client_split(df: pd.DataFrame, n_clients: int, shape: tuple[int, ...]) -> ClientSplit:
-    features = df.filter(regex=r"^f\d+$").to_numpy(np.float32, copy=True)
+    # row-major: a frame's to_numpy is column-major, and gathering rows of that is ~10x slower
+    features = np.ascontiguousarray(df.filter(regex=r"^f\d+$").to_numpy(np.float32))
     counts = torch.as_tensor(np.bincount(df["client_id"].to_numpy(), minlength=n_clients))
     offsets = torch.cumsum(counts, 0) - counts
     return ClientSplit(

@@ -27,6 +27,7 @@ from pfl_tasks.config import LocalConfig
 from pfl_tasks.data import ClientSplit
 from pfl_tasks.engine import optim
 from pfl_tasks.engine.state import Params, Stack, Tree, to_device, tree_map, tree_zip
+from pfl_tasks.nets import frozen_prefix, stackable, stacked_forward
 
 DataLoss = Callable[[Params], torch.Tensor]
 Objective = Callable[[DataLoss, Params, Tree], torch.Tensor]
@@ -38,15 +39,41 @@ class Batch:
     """One client's minibatch inside a `scan` step: `weight` sums to 1 over real rows (0 on
     padding), `extra` holds this step's slice of the `per_step` tensors. A step that does not
     go through `data_loss` calls `record_pass()` once per forward-backward pass over the batch,
-    for the compute accounting."""
+    for the compute accounting. `grad` is `torch.func.grad`'s contract (`grad(fn)(params)`);
+    a `clientwise` step on a whole stack gets autograd's version of it (`stacked_grad`)."""
 
     x: torch.Tensor
     y: torch.Tensor
     weight: torch.Tensor
     extra: Tree
     record_pass: Callable[[], None]
+    grad: Callable = grad
 
 
+def stacked_grad(fn: Callable[[Params], torch.Tensor]) -> Callable[[Params], Params]:
+    """`torch.func.grad(fn)` for a clientwise `fn` of a whole stack, by ordinary autograd: the
+    gradient of the sum of the clients' values, each client's in its own slice."""
+
+    def grad_of(params: Params) -> Params:
+        with torch.enable_grad():
+            leaves = {k: v.detach().requires_grad_() for k, v in params.items()}
+            return dict(zip(leaves, torch.autograd.grad(fn(leaves), list(leaves.values()))))
+
+    return grad_of
+
+
+def clientwise(fn):
+    """Marks an objective, or a `scan` step, as computing each client's values from that
+    client's rows alone, elementwise, with any sum over clients or parameters only feeding a
+    gradient (a proximal term, say, and not one that multiplies a client's matrices): called
+    once on a whole stack, it gives every client what it gives that client alone. The
+    vectorized executor calls such a function once on a stackable net's whole stack
+    (`stacked_forward`, `stacked_grad`), where anything else is vmapped client by client."""
+    fn.clientwise = True
+    return fn
+
+
+@clientwise
 def data_objective(data_loss, params, aux):
     return data_loss(params)
 
@@ -118,6 +145,12 @@ def batch_schedule(
     index = perms[torch.arange(len(n))[:, None, None], t // nk, t % nk] * mask
     active = torch.arange(s_max)[None, :] < steps[:, None]
     return Schedule(index, mask, active)
+
+
+def take(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """`t[rows]` for an integer index of any shape, by `index_select` (several times faster
+    than advanced indexing on the CPU)."""
+    return t.index_select(0, rows.flatten()).view(*rows.shape, *t.shape[1:])
 
 
 def per_sample_loss(task: str, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -201,15 +234,73 @@ class VectorizedTrainer(LocalTrainer):
 
             return objective(data_loss, {**frozen_p, **train_p}, aux_k)
 
-        grads_of = vmap(grad(client_objective))
+        start, inputs = 0, self._samples
+        if stackable(self.net):
+            start = frozen_prefix(params, keys)
+            if start:
+                inputs = self._frozen_features(start, frozen, order)
+            grads_of = self._stacked_grads(objective, start)
+        else:
+            grads_of = vmap(grad(client_objective))
         opt_state = optim.init_state(local.optimizer, train)
         for s, plan in enumerate(plans):
-            x, y = self.train.x[plan.rows], self.train.y[plan.rows]
+            x, y = inputs(plan), take(self.train.y, plan.rows)
             g = grads_of(*_first(plan.width, train, frozen), x, y, plan.mask, _first(plan.width, aux)[0])
             self._count_step(plan.samples)
             new, new_state = optim.step(local.optimizer, *_first(plan.width, train, g, opt_state), s)
             train, opt_state = _update_first(train, new), _update_first(opt_state, new_state)
         return order.restore({**frozen, **train})
+
+    def _samples(self, plan: StepPlan) -> torch.Tensor:
+        return take(self.train.x, plan.rows)
+
+    def _frozen_features(self, start: int, frozen: Stack, order: BudgetOrder) -> Callable[[StepPlan], torch.Tensor]:
+        """The inputs of net[start:] for a step: the frozen modules before it applied once, at
+        the start of the fit, to every training row of each client (in budget order), instead
+        of once a step to its batch."""
+        offsets, counts = self.offsets[order.host_perm], self.counts[order.host_perm]
+        width = int(counts.max())
+        local = torch.arange(width)[None, :].minimum(counts[:, None] - 1)
+        # client k's features stand at rows k * width + j: a split row r of it at r + shift[k]
+        up = to_device({"rows": offsets[:, None] + local,
+                        "shift": torch.arange(len(offsets))[:, None] * width - offsets[:, None]}, self.device)
+        features = stacked_forward(self.net, frozen, take(self.train.x, up["rows"]), stop=start).flatten(0, 1)
+
+        def inputs(plan: StepPlan) -> torch.Tensor:
+            return take(features, plan.rows + up["shift"][: plan.width])
+
+        return inputs
+
+    def _stacked_grads(self, objective: Objective, start: int = 0):
+        """`vmap(grad(client objective))` for a stackable net, computed more cheaply: one
+        batched forward of the whole stack (`stacked_forward`, from module `start` on) and
+        ordinary autograd on the sum of the clients' objectives, which gives each client's
+        gradient in its own slice. A `clientwise` objective is called once on the stack; any
+        other is vmapped around each client's data loss."""
+
+        def grads_of(train_p, frozen_p, x, y, mask, aux):
+            train_p = {k: v.detach().requires_grad_() for k, v in train_p.items()}
+            params = {**frozen_p, **train_p}
+            out = stacked_forward(self.net, params, x, start)
+            per_sample = per_sample_loss(self.task, out.flatten(0, 1), y.flatten()).view(mask.shape)
+            losses = (per_sample * mask).sum(1) / mask.sum(1)
+
+            def objective_of(params_k, aux_k, loss_k):
+                def data_loss(p):
+                    if p is not params_k:
+                        raise ValueError("a stacked fit's objective takes the data loss of the parameters it is given")
+                    self._record_pass()
+                    return loss_k
+
+                return objective(data_loss, params_k, aux_k)
+
+            if getattr(objective, "clientwise", False):
+                total = objective_of(params, aux, losses.sum())
+            else:
+                total = vmap(objective_of)(params, aux, losses).sum()
+            return dict(zip(train_p, torch.autograd.grad(total, list(train_p.values()))))
+
+        return grads_of
 
     def scan(self, carry, step, aux=None, stream=0, local=None, per_step=None):
         sched = self.schedule(stream, local or self.local)
@@ -226,9 +317,19 @@ class VectorizedTrainer(LocalTrainer):
 
             return step(c, data_loss, a, Batch(x, y, weight, extra, self._record_pass))
 
-        stepped = vmap(client_step)
+        def stack_step(c, x, y, mask, a, extra):  # a clientwise step, on the whole stack at once
+            weight = mask / mask.sum(1, keepdim=True)
+
+            def data_loss(p):  # the sum of the clients' losses
+                self._record_pass()
+                out = stacked_forward(self.net, p, x).flatten(0, 1)
+                return (per_sample_loss(self.task, out, y.flatten()).view(mask.shape) * weight).sum()
+
+            return step(c, data_loss, a, Batch(x, y, weight, extra, self._record_pass, stacked_grad))
+
+        stepped = stack_step if stackable(self.net) and getattr(step, "clientwise", False) else vmap(client_step)
         for s, plan in enumerate(plans):
-            x, y = self.train.x[plan.rows], self.train.y[plan.rows]
+            x, y = take(self.train.x, plan.rows), take(self.train.y, plan.rows)
             extra = tree_map(lambda t: t[: plan.width, s], per_step)
             new = stepped(*_first(plan.width, carry), x, y, plan.mask, *_first(plan.width, aux), extra)
             self._count_step(plan.samples)
@@ -344,7 +445,7 @@ class SequentialTrainer(LocalTrainer):
         def batches(i: int):
             for s in range(steps[i]):
                 r = rows[i, s, : sizes[i][s]]
-                yield self.train.x[r], self.train.y[r]
+                yield take(self.train.x, r), take(self.train.y, r)
 
         return batches
 

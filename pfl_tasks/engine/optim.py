@@ -44,6 +44,8 @@ def step(
             m = b1 * state["exp_avg"][name] + (1 - b1) * g
             v = b2 * state["exp_avg_sq"][name] + (1 - b2) * g * g
             t = step_index + 1
+            if isinstance(t, torch.Tensor) and t.dim() == 1:  # each client's count, on a whole stack
+                t = t.reshape(-1, *([1] * (p.dim() - 1)))
             denom = (v.sqrt() / (1 - b2**t) ** 0.5) + cfg.eps
             update = (lr / (1 - b1**t)) * m / denom
             new_state["exp_avg"][name], new_state["exp_avg_sq"][name] = m, v
