@@ -1,6 +1,7 @@
 """Seed algorithms (shared/seeds/pfl-algorithms.txt), each against its own objective's optimum."""
 
 import copy
+import os
 
 import pytest
 import torch
@@ -526,3 +527,47 @@ def test_fedcr_starts_with_small_noise_on_unrectified_features():
     mu, var = alg.features(net, params, x, {"3.weight", "3.bias"})
     assert var.sqrt().max() < 0.05 < mu.abs().mean()  # softplus(0) = 0.69 would be noise of 0.83
     assert (mu < 0).any()  # not taken after a ReLU
+
+
+def test_fedcr_clips_each_clients_whole_gradient_at_clip_norm(digits6):
+    """One SGD step: with `clip_norm` below the gradient's norm, each client's update is the
+    unclipped update scaled to norm lr * clip_norm (the authors' clip_grad_norm_)."""
+    from conftest import tiny_federation
+    from pfl_tasks.engine.state import gather, leaves
+
+    updates = {}
+    for clip in (None, 1e-3):
+        fed = tiny_federation(digits6, "fedcr", hp={"clip_norm": clip}, local={"steps": 1})
+        state = fed.initial_state()
+        ids = torch.arange(6)
+        payload = fed.algorithm.payload(state.server)
+        result = fed.local_update(0, payload, ids, gather(state.clients, ids))
+        before = {**{f"body.{k}": v.expand(6, *v.shape) for k, v in leaves(payload["body"])},
+                  **{f"head.{k}": v for k, v in leaves(state.clients["head"])}}
+        after = {**{f"body.{k}": v for k, v in leaves(result.messages["body"])},
+                 **{f"head.{k}": v for k, v in leaves(result.clients["head"])}}
+        updates[clip] = torch.cat([(after[k] - before[k]).flatten(1) for k in before], 1)
+    lr = fed.exp.local.optimizer.lr
+    free, clipped = updates[None], updates[1e-3]
+    assert (free.norm(dim=1) > lr * 1e-3).all()  # the clip binds
+    torch.testing.assert_close(clipped.norm(dim=1), torch.full((6,), lr * 1e-3), rtol=1e-3, atol=0)
+    assert (F.cosine_similarity(clipped, free, dim=1) > 0.999).all()  # the same direction
+
+
+def test_fedcr_numbers_do_not_depend_on_pythons_hash_seed():
+    """Its parameter dicts keep the net's order, never a set's (which changes with
+    PYTHONHASHSEED and, through float sums over parameters such as the clipped gradient's
+    norm, changed FedCR's MNIST results from one process to the next)."""
+    import subprocess
+    import sys
+
+    code = ("import torch; from pfl_tasks.algorithms import build; from pfl_tasks.nets import split_net; "
+            "from torch import nn; "
+            "params = {'1.weight': torch.zeros(3, 2), '1.bias': torch.zeros(3), '3.weight': torch.zeros(2, 3), "
+            "'3.bias': torch.zeros(2)}; "
+            "body, head = build('fedcr', {}).split(params); "
+            "net = nn.Sequential(nn.Flatten(), nn.Linear(2, 3), nn.ReLU(), nn.Linear(3, 2)); "
+            "print(list(body), list(head), list(split_net(net, params)[3]))")
+    orders = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                             env={**os.environ, "PYTHONHASHSEED": str(seed)}).stdout for seed in range(4)}
+    assert orders == {"['1.weight', '1.bias'] ['3.weight', '3.bias'] ['3.weight', '3.bias']\n"}
