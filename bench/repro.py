@@ -6,11 +6,12 @@ on a fresh clone of this commit, then the edit-reruns-only-dependents check on t
   - a stage process's fixed start: `import flows.train` in a fresh interpreter;
   - a run's fixed cost: a 1-round poly1 FedAvg run through Prefect in a warm process (flow run,
     MLflow, checkpoint, PNG, evaluation), against its 120-round run;
-  - edits: after appending a comment to pfl_tasks/reports.py, which stages `dvc status` calls
-    changed (expected: tables, compare); after one to pfl_tasks/algorithms/ditto.py (expected:
-    the Ditto train stages only).
+  - edits: after appending a comment to pfl_tasks/reports.py or pfl_tasks/tracking.py, which
+    stages `dvc status` calls changed (expected: tables, compare: no training); after one to
+    pfl_tasks/algorithms/ditto.py (expected: the train stages of the experiments running Ditto,
+    whose flows then retrain only its runs).
 
-    python -m bench.repro             # about an hour on 2 cores
+    python -m bench.repro             # make run's time, plus about 2 minutes
     python -m bench.repro --params params-quick.yaml   # the quickstart's matrix: a smoke run
 
 Writes bench/results/<date>-<host>-repro.{json,md}, rewritten after every stage, so a run cut
@@ -20,6 +21,7 @@ short still leaves its stage times.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -124,6 +126,7 @@ def markdown(r: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--params", default="params.yaml")
+    parser.add_argument("--workdir", type=Path, help="clone and run here, and keep it (default: a temporary folder)")
     args = parser.parse_args(argv)
     RESULTS.mkdir(exist_ok=True)
     stem = RESULTS / f"{datetime.date.today()}-{socket.gethostname()}-repro{'' if args.params == 'params.yaml' else '-quick'}"
@@ -134,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         stem.with_suffix(".json").write_text(json.dumps(result, indent=1, default=sorted))
         stem.with_suffix(".md").write_text(markdown(result))
 
-    with tempfile.TemporaryDirectory() as tmp:
+    with contextlib.nullcontext(args.workdir) if args.workdir else tempfile.TemporaryDirectory() as tmp:
         result["stage_start_s"] = stage_start()
         (Path(tmp) / "cost").mkdir()
         result["run_cost"] = run_cost(Path(tmp) / "cost")
@@ -164,8 +167,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"make run failed with status {status}", file=sys.stderr)
             return status
         result["edits"] = {}
-        for rel, expected in (("pfl_tasks/reports.py", {"tables", "compare"} & set(stages(root))),
-                              ("pfl_tasks/algorithms/ditto.py", {s for s in stages(root) if s.endswith("-ditto")})):
+        reports = {"tables", "compare"} & stages(root)
+        experiments = yaml.safe_load((root / "params.yaml").read_text())["experiments"]
+        with_ditto = {f"train-{name}" for name, exp in experiments.items() if "ditto" in exp["algorithms"]}
+        for rel, expected in (("pfl_tasks/reports.py", reports), ("pfl_tasks/tracking.py", reports),
+                              ("pfl_tasks/algorithms/ditto.py", with_ditto)):
             edit(root / rel)
             result["edits"][rel] = {"changed": changed_stages(root, env), "expected": expected}
             subprocess.run(["git", "checkout", "-q", rel], cwd=root, check=True)

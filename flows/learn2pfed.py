@@ -33,7 +33,7 @@ from pfl_tasks.algorithms.learn2pfed_meta import (
 from pfl_tasks.config import ConfigError, Learn2pFedConfig, ResolvedExperiment, config_hash, load_params
 from pfl_tasks.data import FederatedData, load_partition, partition_dir
 from pfl_tasks.engine.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from pfl_tasks.imports import code_hash, run_code
+from pfl_tasks.imports import ROOT, code_hash, numeric_code
 from pfl_tasks.nets import build_net, embed, head_keys, split_net
 from pfl_tasks.runs import Run, RunPaths
 from pfl_tasks.tracking import (
@@ -56,11 +56,14 @@ class Problems:
 
 
 def learn2pfed_code(params, experiment: str) -> list[Path]:
-    """The code a Learn2pFed run imports: this flow's, and the module of the algorithm whose
-    checkpoint gives its features, if any."""
+    """The code that can change a Learn2pFed run's numbers: this flow (its meta-training
+    loop), the Learn2pFed modules and the round runtime (`numeric_code`), with the module of
+    the algorithm whose checkpoint gives its features, if any; not the tracking and outputs."""
     upstream = params.learn2pfed[experiment].features_from
     hyper = params.experiment(experiment).hyper
-    return run_code(Path(__file__), *([source_file(upstream, hyper[upstream])] if upstream else []))
+    modules = [ROOT / "pfl_tasks/algorithms/learn2pfed.py", ROOT / "pfl_tasks/algorithms/learn2pfed_meta.py"]
+    code = numeric_code(*modules, *([source_file(upstream, hyper[upstream])] if upstream else []))
+    return sorted({Path(__file__).relative_to(ROOT), *code})
 
 
 def upstream_features(exp: ResolvedExperiment, params, data: FederatedData, run_name: str, root: Path):

@@ -19,6 +19,7 @@ from pathlib import Path
 import flows  # noqa: F401  (environment defaults)
 from flows.stage import prefect_api, stage_main
 from flows.stages import write_dvc_yaml
+from pfl_tasks.runs import CONSOLE
 
 
 def repro(dvc_args: list[str]) -> int:
@@ -28,7 +29,8 @@ def repro(dvc_args: list[str]) -> int:
     write_dvc_yaml()
     with prefect_api(ui=True) as url:
         print(f"Prefect UI (every stage's flow runs, live): {url.removesuffix('/api')}", flush=True)
-        env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+        env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+               CONSOLE: os.environ.get(CONSOLE, "runs")}  # a line per run, not per evaluation
         proc = subprocess.Popen([sys.executable, "-m", "dvc", "repro", *dvc_args], env=env, start_new_session=True)
         try:
             return proc.wait()

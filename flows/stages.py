@@ -1,9 +1,10 @@
-"""Writes dvc.yaml from params.yaml: one `train-<experiment>-<run>` stage per (experiment,
-run), so an edit reruns only what it touches. Each stage depends on the params keys its run
-reads and on the source files its run imports (`pfl_tasks.imports`): editing one algorithm's
-module reruns only that algorithm's stages (and the reports after them), and editing the
-reports reruns no training. `make run` writes it before `dvc repro`; after changing an
-experiment's list of algorithms, run it yourself:
+"""Writes dvc.yaml from params.yaml: one `train-<experiment>` stage per experiment, each one
+process (one start-up for all its runs). Each stage depends on the params keys its runs read
+and on the code that can change their numbers (`pfl_tasks.imports.numeric_code`), and its
+flow skips every run whose checkpoint is finished under the same identity: editing one
+algorithm's module retrains only that algorithm's runs (and reruns the reports after them),
+and editing the flows, tracking or reports retrains nothing. `make run` writes it before
+`dvc repro`; after changing an experiment's list of algorithms, run it yourself:
 
     python -m flows.stages            # dvc.yaml from params.yaml
     python -m flows.stages --check    # exit 1 if dvc.yaml is not what params.yaml gives
@@ -23,35 +24,35 @@ from flows.stage import stage_main, stage_name
 from pfl_tasks.algorithms import source_file, validate_params
 from pfl_tasks.config import ConfigError, load_params, read_params
 from pfl_tasks.files import atomic_write_text
-from pfl_tasks.imports import ROOT, run_code
+from pfl_tasks.imports import ROOT, numeric_code, run_code
 
 HEADER = """\
 # Written by `python -m flows.stages` from params.yaml (`make run` does it first): edit params.yaml,
-# not this file. `dvc repro` runs prepare-<dataset> -> train-<experiment>-<run> -> learn2pfed-<experiment>
+# not this file. `dvc repro` runs prepare-<dataset> -> train-<experiment> -> learn2pfed-<experiment>
 # -> tables, compare; each stage is a thin call into flows/ and depends on the params keys its runs
-# read and the source files they import.
+# read and the source files that can change their numbers.
 """
 GLOBAL_KEYS = ["seed", "federation", "local", "engine", "tracking"]
 
 
-def train_stage(params, raw: dict, experiment: str, run: str) -> dict:
+def train_stage(params, raw: dict, experiment: str) -> dict:
     exp = params.experiment(experiment)
     raw_exp = raw["experiments"][experiment]
-    keys = [f"experiments.{experiment}.{k}" for k in raw_exp if k not in ("algorithms", "algorithm_overrides")]
-    if run in raw_exp.get("algorithm_overrides", {}):
-        keys.append(f"experiments.{experiment}.algorithm_overrides.{run}")
-    if run in raw.get("algorithms", {}):
-        keys.append(f"algorithms.{run}")
-    code = run_code(ROOT / "flows/train.py", source_file(run, exp.hyper[run]))
+    keys = [f"experiments.{experiment}.{k}" for k in raw_exp if k != "algorithm_overrides"]
+    keys += [f"experiments.{experiment}.algorithm_overrides.{run}" for run in exp.algorithms
+             if run in raw_exp.get("algorithm_overrides", {})]
+    keys += [f"algorithms.{run}" for run in exp.algorithms if run in raw.get("algorithms", {})]
+    code = numeric_code(*(source_file(run, exp.hyper[run]) for run in exp.algorithms))
+    # persistent outputs: DVC leaves them in place, and the flow keeps the runs it skips
     return {
-        "cmd": f"python -m flows.train {experiment} --algorithms {run} --on-config-change restart",
-        "deps": [f"data/partitions/{exp.dataset}", *map(str, code)],
+        "cmd": f"python -m flows.train {experiment} --on-config-change restart",
+        "deps": [f"data/partitions/{exp.dataset}", "flows/train.py", *map(str, code)],
         "params": GLOBAL_KEYS + keys,
-        "outs": [{f"models/{experiment}/{run}": {"persist": True}}],
-        "metrics": [{f"metrics/{experiment}/{run}": {"cache": False}}],
+        "outs": [{f"models/{experiment}": {"persist": True}}],
+        "metrics": [{f"metrics/{experiment}": {"cache": False, "persist": True}}],
         # one figure a run: its mean test metric (accuracy or MSE) over clients, by round
-        "plots": [{f"plots/{experiment}/{run}": {"cache": False, "x": "round", "y": "test/personalized",
-                                                 "title": f"{experiment} {run}, personalized model on test"}}],
+        "plots": [{f"plots/{experiment}": {"cache": False, "persist": True, "x": "round", "y": "test/personalized",
+                                           "title": f"{experiment}, personalized model on test"}}],
     }
 
 
@@ -76,16 +77,12 @@ def stages(params_path: str = "params.yaml") -> dict:
     for dataset in sorted({params.experiment(e).dataset for e in params.experiments}):
         out[stage_name("prepare", dataset)] = {
             "cmd": f"python -m flows.prepare {dataset}",
-            "deps": list(map(str, run_code(ROOT / "flows/prepare.py"))),
+            "deps": ["flows/prepare.py", *map(str, run_code(ROOT / "pfl_tasks/data/__init__.py"))],
             "params": ["seed", f"datasets.{dataset}", "experiments"],  # their seeds: one partition per seed
             "outs": [f"data/partitions/{dataset}"],
         }
     for experiment in params.experiments:
-        for run in params.experiment(experiment).algorithms:
-            name = stage_name("train", experiment, run)
-            if name in out:
-                raise ConfigError(f"experiments.{experiment}: runs '{run}' and another give the same stage '{name}'")
-            out[name] = train_stage(params, raw, experiment, run)
+        out[stage_name("train", experiment)] = train_stage(params, raw, experiment)
     for experiment in params.learn2pfed:
         out[stage_name("learn2pfed", experiment)] = learn2pfed_stage(params, experiment)
     reads = ["metrics"]  # every run's final metrics: the MLflow runs changed when these did

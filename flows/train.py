@@ -16,8 +16,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
+import math
 import sys
+import time
 from pathlib import Path
 
 import flows  # noqa: F401  (environment defaults)
@@ -27,17 +30,18 @@ from prefect.task_runners import ThreadPoolTaskRunner
 from pydantic import ValidationError
 
 from pfl_tasks.algorithms import build, source_file, validate_params
-from pfl_tasks.algorithms.federation import Federation, InlineSteps, RunState, run_round
+from pfl_tasks.algorithms.federation import Federation, InlineSteps, RunState, play_rounds, run_round
 from flows.stage import prefect_api, stage_main
 from pfl_tasks.config import (
     ConfigError, EngineConfig, ResolvedExperiment, SweepConfig, TrackingConfig, config_hash, load_params,
     parse_assignment, parse_params,
 )
-from pfl_tasks.data import load_partition, partition_dir
-from pfl_tasks.engine.checkpoint import CheckpointError, save_checkpoint
-from pfl_tasks.engine.device import describe
+from pfl_tasks.data import DataValidationError, FederatedData, load_partition, partition_dir
+from pfl_tasks.data.store import read_manifest
+from pfl_tasks.engine.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from pfl_tasks.engine.device import describe, platform, resolve_device
 from pfl_tasks.engine.state import gather
-from pfl_tasks.imports import code_hash, run_code
+from pfl_tasks.imports import code_hash, numeric_code
 from pfl_tasks.runs import Run, RunPaths
 from pfl_tasks.tracking import (
     dvc_curve,
@@ -106,6 +110,12 @@ def federated_round(steps, fed, round_idx: int, state):
     return run_round(steps, fed, state, round_idx)
 
 
+@task(**TASK_OPTIONS, task_run_name="rounds-{first_round}-{last_round}")
+def federated_rounds(play, first_round: int, last_round: int):
+    """Rounds `first_round` to `last_round` (counted from 1), each with its evaluation."""
+    return play_rounds(play, first_round - 1, last_round)
+
+
 class PrefectSteps:
     """Each step a Prefect task run; chunks are mapped onto the flow's task runner, each with
     only its own clients' rows of the client state."""
@@ -116,6 +126,7 @@ class PrefectSteps:
     checkpoint = staticmethod(checkpoint)
     round = run_round
     local_update = staticmethod(local_update)
+    span, spans_rounds = staticmethod(play_rounds), False
 
     def local_updates(self, fed, round_idx, payload, chunks, clients):
         rows = [gather(clients, ids) for ids in chunks]
@@ -179,6 +190,7 @@ class RoundSteps:
 
     evaluate = staticmethod(evaluate)
     checkpoint = staticmethod(checkpoint)
+    span, spans_rounds = staticmethod(play_rounds), False
 
     def __init__(self, max_workers: int):
         self.inline = InlineSteps(max_workers)
@@ -187,16 +199,29 @@ class RoundSteps:
         return federated_round(self.inline, fed, round_idx, state)
 
 
+class IntervalSteps(InlineSteps):
+    """`engine.round_tasks: interval`: one task run, `rounds-A-B`, for the rounds up to the
+    next evaluation or checkpoint, with the evaluation; inside it the rounds' steps are plain
+    calls (chunks on its threads). The fewest task runs, for short rounds: Prefect's cost per
+    task run (tens of ms of client and server CPU) would otherwise dominate them."""
+
+    spans_rounds = True
+
+    def span(self, play, first, stop):
+        return federated_rounds(play, first + 1, stop)
+
+
 def prefect_steps(engine: EngineConfig):
     if engine.task_runner == "ray":
         return RaySteps()
-    return RoundSteps(engine.max_workers) if engine.round_tasks == "round" else PrefectSteps()
+    return {"round": lambda: RoundSteps(engine.max_workers), "interval": lambda: IntervalSteps(engine.max_workers),
+            "steps": PrefectSteps}[engine.round_tasks]()
 
 
 # ----------------------------------------------------------------------------- one run
 def run_identity(exp: ResolvedExperiment, run_name: str, raw_hp: dict, data_hash: str) -> dict:
-    """What a checkpoint must share with this run to be resumed: config, data and the code the
-    run imports (`pfl_tasks.imports`).
+    """What a checkpoint must share with this run to be resumed: config, data and the code that
+    can change its numbers (`pfl_tasks.imports.numeric_code`).
     `federation.rounds` is left out (a longer run continues a shorter one), and so is the
     engine (another executor or chunking computes the same numbers up to rounding; the
     platform, which decides the rounding, is checked on its own)."""
@@ -204,7 +229,7 @@ def run_identity(exp: ResolvedExperiment, run_name: str, raw_hp: dict, data_hash
         "experiment": exp.model_dump(mode="json", exclude={"engine", "algorithms", "hyper", "seeds"}),
         "algorithm": raw_hp,
         "data": data_hash,
-        "code": code_hash(run_code(Path(__file__), source_file(run_name, raw_hp))),
+        "code": code_hash(numeric_code(source_file(run_name, raw_hp))),
     }
     config["experiment"]["federation"].pop("rounds")
     return {
@@ -215,12 +240,47 @@ def run_identity(exp: ResolvedExperiment, run_name: str, raw_hp: dict, data_hash
     }
 
 
+def partition(directory: Path) -> FederatedData:
+    """`load_partition`, once per process while its files stay as they are: an experiment's
+    runs share their seed's partition (the samples are read, never written)."""
+    files = sorted(Path(directory).iterdir()) if Path(directory).is_dir() else []
+    return _loaded(Path(directory).resolve(), tuple((f.name, f.stat().st_mtime_ns, f.stat().st_size) for f in files))
+
+
+@functools.lru_cache(maxsize=4)
+def _loaded(directory: Path, files: tuple) -> FederatedData:
+    return load_partition(directory)
+
+
+def finished_outcome(exp: ResolvedExperiment, run_name: str, raw_hp: dict, root: Path) -> dict | None:
+    """The DVC metrics of this run when it already finished under this very identity (config,
+    data, numeric code, platform) and budget, checkpoint and metrics naming one MLflow run:
+    rerunning it would compute the same numbers. None when it has to run."""
+    paths = RunPaths.of(root, exp.name, run_name, exp.seed)
+    try:
+        outcome = json.loads(paths.metrics.read_text())
+        manifest = read_manifest(partition_dir(root, exp.dataset, exp.seed))
+    except (OSError, ValueError, DataValidationError):
+        return None
+    if outcome.get("status") != "finished" or not paths.checkpoint.exists():
+        return None
+    identity = {**run_identity(exp, run_name, raw_hp, manifest.table_sha256[:16]),
+                "platform": describe(platform(exp.engine, resolve_device(exp.engine.device)))}
+    try:
+        ckpt = load_checkpoint(paths.checkpoint, {k: identity[k] for k in ("experiment", "algorithm", "config_hash")})
+    except CheckpointError:
+        return None
+    same = (ckpt["round"] == exp.federation.rounds and ckpt.get("platform") == identity["platform"]
+            and ckpt.get("mlflow_run_id") == outcome.get("mlflow_run_id"))
+    return outcome if same else None
+
+
 def train_run(
     exp: ResolvedExperiment, run_name: str, raw_hp: dict, root: Path, steps,
     on_config_change: str = "refuse", tracking: TrackingConfig = TrackingConfig(),
     flow_run_id: str = "",
 ) -> dict[str, float]:
-    data = load_partition(partition_dir(root, exp.dataset, exp.seed))
+    data = partition(partition_dir(root, exp.dataset, exp.seed))
     fed = Federation(exp, build(run_name, raw_hp), data)
     paths = RunPaths.of(root, exp.name, run_name, exp.seed)
     identity = {**run_identity(exp, run_name, raw_hp, data.manifest_hash), "platform": describe(fed.platform)}
@@ -252,32 +312,45 @@ def train_run(
             }
 
         run.snapshot = snapshot
-        for round_idx in run.steps(state.round):
-            with run.mutating():  # the round, then its evaluation
-                state = steps.round(fed, state, round_idx)
-                done = state.round
-                spent = add_costs(spent, state)
-                if state.reported == 0:
-                    skipped += 1
-                    print(f"{run.label} round {done}: no sampled client reported (federation.dropout="
-                          f"{fedcfg.dropout}); round skipped", file=sys.stderr)
-                broken = fed.nonfinite(state)
-                if broken is not None:
-                    return run.diverged(done, f"{broken} is not finite after round {done}", dvc_curve(history, data.task))
-                evaluated = done % fedcfg.eval_every == 0 or done == fedcfg.rounds
-                if evaluated:
-                    evaluation = steps.evaluate(fed, done, state)
-                    history.append({"round": done, **summarize_eval(evaluation.metrics), **spent,
-                                    "compute/eval_grad_samples": evaluation.grad_samples,
-                                    "rounds/skipped": skipped, **fed.algorithm.round_metrics(state.server)})
-                    tables["last"] = evaluation.metrics
-                    if selected_index(history, data.task) == len(history) - 1:
-                        tables["selected"] = evaluation.metrics
+
+        def play(round_idx: int) -> str | None:
+            """One round, then its evaluation when one is due; what is not finite after the
+            round, if anything (a diverged run)."""
+            nonlocal state, spent, skipped
+            state = steps.round(fed, state, round_idx)
+            done = state.round
+            spent = add_costs(spent, state)
+            if state.reported == 0:
+                skipped += 1
+                print(f"{run.label} round {done}: no sampled client reported (federation.dropout="
+                      f"{fedcfg.dropout}); round skipped", file=sys.stderr)
+            broken = fed.nonfinite(state)
+            if broken is not None:
+                return f"{broken} is not finite after round {done}"
+            if done % fedcfg.eval_every == 0 or done == fedcfg.rounds:
+                evaluation = steps.evaluate(fed, done, state)
+                history.append({"round": done, **summarize_eval(evaluation.metrics), **spent,
+                                "compute/eval_grad_samples": evaluation.grad_samples,
+                                "rounds/skipped": skipped, **fed.algorithm.round_metrics(state.server)})
+                tables["last"] = evaluation.metrics
+                if selected_index(history, data.task) == len(history) - 1:
+                    tables["selected"] = evaluation.metrics
+            return None
+
+        # a task per round, or (round_tasks: interval) per span of rounds up to the next
+        # evaluation or checkpoint
+        stride = math.gcd(fedcfg.eval_every, fedcfg.checkpoint_every) if steps.spans_rounds else 1
+        for first, stop in run.spans(state.round, stride):
+            with run.mutating():  # the rounds, each with its evaluation
+                broken = steps.span(play, first, stop)
+            done = state.round
+            if broken is not None:
+                return run.diverged(done, broken, dvc_curve(history, data.task))
             if done % fedcfg.checkpoint_every == 0 or done == fedcfg.rounds:
                 steps.checkpoint(paths.checkpoint, done, snapshot())
-            if evaluated:
+            if history and history[-1]["round"] == done:  # evaluated
                 run.log(history)
-                run.note(", ".join(f"{k.removeprefix('test/')}={v:.4f}" for k, v in history[-1].items()
+                run.note(", ".join(f"{k}={v:.4f}" for k, v in history[-1].items()
                                    if k.startswith("test/") and k.endswith(("acc_mean", "mse_mean"))), at=done)
 
         final = {**final_metrics(history, data.task), **plateau(history, data.task),
@@ -345,20 +418,33 @@ def train_experiment(
         raise ConfigError(f"experiments.{experiment} does not run {unlisted} (it runs {exp.algorithms}); "
                           "if dvc.yaml asked for them, it is older than params.yaml: python -m flows.stages")
     open_store(tracking_uri(params.tracking.mlflow_uri))
-    results = {}
+    results, started = {}, time.monotonic()
+    runs = [(run_name, seed) for run_name in exp.algorithms if algorithms is None or run_name in algorithms
+            for seed in exp.seeds if seeds is None or seed in seeds]
+    todo = []
+    for run_name, seed in runs:
+        outcome = finished_outcome(exp.model_copy(update={"seed": seed}), run_name, exp.hyper[run_name], Path(root))
+        if outcome is None:
+            todo.append((run_name, seed))
+        else:
+            results[run_name, seed] = outcome
+    if len(todo) < len(runs):
+        print(f"{experiment}: {len(runs) - len(todo)} of {len(runs)} runs already finished under the same "
+              "config, data and code: kept")
     orchestrated = exp.engine.orchestrator == "prefect"
-    with prefect_api() if orchestrated else contextlib.nullcontext():
-        for run_name in [a for a in exp.algorithms if algorithms is None or a in algorithms]:
-            for seed in [s for s in exp.seeds if seeds is None or s in seeds]:
-                if orchestrated:
-                    results[run_name, seed] = train_flow.with_options(task_runner=task_runner(exp.engine))(
-                        experiment, run_name, seed, params_path, root, on_config_change
-                    )
-                else:
-                    results[run_name, seed] = train_run(
-                        exp.model_copy(update={"seed": seed}), run_name, exp.hyper[run_name],
-                        Path(root), InlineSteps(exp.engine.max_workers), on_config_change, params.tracking,
-                    )
+    with prefect_api() if orchestrated and todo else contextlib.nullcontext():
+        for run_name, seed in todo:
+            if orchestrated:
+                results[run_name, seed] = train_flow.with_options(task_runner=task_runner(exp.engine))(
+                    experiment, run_name, seed, params_path, root, on_config_change
+                )
+            else:
+                results[run_name, seed] = train_run(
+                    exp.model_copy(update={"seed": seed}), run_name, exp.hyper[run_name],
+                    Path(root), InlineSteps(exp.engine.max_workers), on_config_change, params.tracking,
+                )
+    if todo:
+        print(f"{experiment}: {len(todo)} runs trained in {time.monotonic() - started:.0f} s")
     return results
 
 

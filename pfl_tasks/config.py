@@ -273,8 +273,9 @@ class EngineConfig(Strict):
     task_runner: Literal["thread", "ray"] = "thread"  # ray: chunks run on Ray workers (pip install prefect-ray)
     ray_address: str | None = None  # join this Ray cluster ("auto" or host:port); None: a local Ray
     # steps: tasks sample_clients, local_update per chunk, aggregate. round: one task per round
-    # (its chunks on the task's threads) instead of 2 + one per chunk: less Prefect overhead
-    round_tasks: Literal["steps", "round"] = "steps"
+    # (its chunks on the task's threads) instead of 2 + one per chunk: less Prefect overhead.
+    # interval: one task for the rounds up to the next evaluation or checkpoint, with the evaluation
+    round_tasks: Literal["steps", "round", "interval"] = "steps"
     # where the client stacks live between rounds on a GPU: device (no copies), host (pinned,
     # copied per chunk), auto: device when they take at most a quarter of its memory
     client_state: Literal["auto", "host", "device"] = "auto"
@@ -284,9 +285,9 @@ class EngineConfig(Strict):
 
     @model_validator(mode="after")
     def _ray_needs_chunk_tasks(self) -> EngineConfig:
-        if self.round_tasks == "round" and self.task_runner == "ray":
-            raise ValueError("round_tasks 'round' runs a round's chunks inside one task, which Ray cannot "
-                             "spread; use round_tasks 'steps' with task_runner 'ray'")
+        if self.round_tasks != "steps" and self.task_runner == "ray":
+            raise ValueError(f"round_tasks '{self.round_tasks}' runs a round's chunks inside one task, which Ray "
+                             "cannot spread; use round_tasks 'steps' with task_runner 'ray'")
         if self.client_state == "device" and self.task_runner == "ray":
             raise ValueError("client_state 'device' keeps client stacks on this process's GPU, which Ray "
                              "workers cannot reach; use client_state 'host' or 'auto' with task_runner 'ray'")

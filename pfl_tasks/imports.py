@@ -1,9 +1,12 @@
 """The project's source files a run imports, read from the import statements: a run's code
 deps (its DVC stage's) and the code part of its identity (its checkpoint's).
 
-A run imports its flow's modules, the library modules they import, and its own algorithm's
-module; the algorithm package imports every other algorithm's module only to register it by
-name, and those modules cannot change this run's numbers, so they are not its code.
+A run's numbers come from the round runtime (`pfl_tasks/algorithms/federation.py`: config,
+data, nets, engine and the algorithm base) and its own algorithm's module with what that
+imports (`numeric_code`). The flows, tracking, run outputs and reports around them are
+plumbing: an edit there changes no number, so it restarts no run. The algorithm package
+imports every other algorithm's module only to register it by name, and those modules cannot
+change this run's numbers either.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("pfl_tasks", "flows")
 REGISTRATION = ROOT / "pfl_tasks" / "algorithms" / "__init__.py"
+ROUND_RUNTIME = ROOT / "pfl_tasks" / "algorithms" / "federation.py"
 
 
 def _module_file(name: str) -> Path | None:
@@ -54,7 +58,8 @@ def _imported(path: Path) -> set[Path]:
 
 def run_code(*entries: Path) -> list[Path]:
     """Every project file reachable from `entries` by imports, skipping the algorithm package's
-    registration imports; relative to the repository root, sorted."""
+    registration imports and the registration file itself (a list of imports: adding an
+    algorithm there changes no other's numbers); relative to the repository root, sorted."""
     seen, todo = set(), [Path(e).resolve() for e in entries]
     while todo:
         path = todo.pop()
@@ -65,7 +70,13 @@ def run_code(*entries: Path) -> list[Path]:
             todo += _imported(path)
         else:
             todo += [f for f in _imported(path) if f.parent != path.parent or f.stem in ("base", "registry")]
-    return sorted(p.relative_to(ROOT) for p in seen)
+    return sorted(p.relative_to(ROOT) for p in seen - {REGISTRATION})
+
+
+def numeric_code(*algorithm_files: Path) -> list[Path]:
+    """What can change the numbers of runs of these algorithm modules: the round runtime and
+    the modules, with everything they import."""
+    return run_code(ROUND_RUNTIME, *algorithm_files)
 
 
 def code_hash(files: list[Path]) -> str:

@@ -28,6 +28,7 @@ import socket
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +37,9 @@ from pfl_tasks.config import TrackingConfig
 from pfl_tasks.engine.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from pfl_tasks.files import OutputLock, remove_stale_temporaries
 from pfl_tasks.tracking import MlflowRun, TrackingError, flatten, headline, progress, write_dvc_outputs
+
+
+CONSOLE = "PFL_CONSOLE"  # "runs": a line per finished run instead of one per evaluation
 
 
 @dataclass(frozen=True)
@@ -104,6 +108,8 @@ class Run:
         self.logged_through = -1  # the last step whose history record MLflow holds
         self.done = 0  # steps completed
         self.bar = None
+        self.summary = ""  # the latest `note`
+        self.started = time.monotonic()
         self._consistent = True
         self._stop: int | None = None
         self._lock = OutputLock(paths.lock, self.label)
@@ -183,13 +189,24 @@ class Run:
     def steps(self, start: int, every: int = 1) -> Iterator[int]:
         """`start, start + every, ... < total`, with a progress bar; a requested stop is honoured
         between steps."""
+        return (first for first, _ in self._walk(start, lambda step: step + every))
+
+    def spans(self, start: int, every: int) -> Iterator[tuple[int, int]]:
+        """Steps `start` to `total` as spans [first, stop) that end at the multiples of `every`
+        (and at `total`), with a progress bar; a requested stop is honoured between spans."""
+        return self._walk(start, lambda step: (step // every + 1) * every)
+
+    def _walk(self, start: int, following: Callable[[int], int]) -> Iterator[tuple[int, int]]:
         self.bar = progress(self.label, self.total, start, self.unit)
-        for step in range(start, self.total, every):
+        first = start
+        while first < self.total:
             if self._stop is not None:
                 raise RunStopped(self._stop)
-            yield step
-            self.done = min(step + every, self.total)
-            self.bar.update(self.done - step)
+            stop = min(following(first), self.total)
+            yield first, stop
+            self.done = stop
+            self.bar.update(stop - first)
+            first = stop
 
     @contextlib.contextmanager
     def mutating(self) -> Iterator[None]:
@@ -199,9 +216,11 @@ class Run:
         self._consistent = True
 
     def note(self, summary: str, at: int | None = None) -> None:
-        """The latest metrics on the progress bar, and a log line when `at` names the step."""
+        """The latest metrics on the progress bar, and a log line when `at` names the step (with
+        PFL_CONSOLE=runs, as `make run` sets it, only the run's last one, when it finishes)."""
         self.bar.set_postfix_str(summary, refresh=False)
-        if at is not None:
+        self.summary = summary
+        if at is not None and os.environ.get(CONSOLE) != "runs":
             self.bar.write(f"{self.label} {self.unit} {at}: {summary}")
 
     def log(self, history: list[dict]) -> None:
@@ -222,6 +241,9 @@ class Run:
             artifacts(Path(tmp))
             self.tracker.log_artifacts(Path(tmp))
         self.tracker.finish()
+        if os.environ.get(CONSOLE) == "runs":
+            print(f"{self.label}: {self.total} {self.unit}s in {time.monotonic() - self.started:.0f} s, "
+                  f"{self.summary}", flush=True)
 
     def diverged(self, at: int, reason: str, curve: list[dict]) -> dict:
         """A NaN or infinity in the state at step `at`: a failed run, never a result. The DVC

@@ -66,7 +66,7 @@ def test_dvc_repro_runs_caches_and_reruns_only_what_changed(repo_copy):
     root, env = repo_copy
     dvc = [sys.executable, "-m", "dvc"]
     out = sh([*dvc, "repro"], root, env)
-    assert "Running stage 'prepare-digits'" in out and "Running stage 'train-tiny-fedavg'" in out
+    assert "Running stage 'prepare-digits'" in out and "Running stage 'train-tiny'" in out
     assert (root / "data/partitions/digits/seed-0/manifest.json").exists()
     for alg in ("local", "fedavg", "fedprox"):
         assert (root / f"models/tiny/{alg}/seed-0/checkpoint.pt").exists()
@@ -90,22 +90,30 @@ def test_dvc_repro_runs_caches_and_reruns_only_what_changed(repo_copy):
     out = sh([*dvc, "repro"], root, env)
     assert "Running stage" not in out
 
-    # an edit reruns only what imports it: the reports' code no training, one algorithm's module its stages
-    reports = root / "pfl_tasks/reports.py"
-    reports.write_text(reports.read_text() + "# an edit\n")
+    # an edit reruns only what can change: the reports' or the tracking's code no training, one
+    # algorithm's module its runs alone (its experiment's stage keeps the others' finished runs)
+    for plumbing in ("pfl_tasks/reports.py", "pfl_tasks/tracking.py"):
+        (root / plumbing).write_text((root / plumbing).read_text() + "# an edit\n")
+    status = sh([*dvc, "status"], root, env)
+    assert "train-tiny" not in status and "learn2pfed-tiny" not in status and "compare" in status
     out = sh([*dvc, "repro"], root, env)
     assert ran(out) == {"tables", "compare"}
+    runs = {alg: json.loads((root / f"metrics/tiny/{alg}/seed-0.json").read_text())["mlflow_run_id"]
+            for alg in ("local", "fedavg", "fedprox")}
     fedprox = root / "pfl_tasks/algorithms/fedprox.py"
     fedprox.write_text(fedprox.read_text() + "# an edit\n")
     out = sh([*dvc, "repro"], root, env)
-    assert ran(out) == {"train-tiny-fedprox", "tables", "compare"}
+    assert ran(out) == {"train-tiny", "tables", "compare"}
+    assert "tiny: 2 of 3 runs already finished under the same config, data and code: kept" in out
+    after = {alg: json.loads((root / f"metrics/tiny/{alg}/seed-0.json").read_text())["mlflow_run_id"]
+             for alg in ("local", "fedavg", "fedprox")}
+    assert [alg for alg in runs if after[alg] != runs[alg]] == ["fedprox"]
 
     params = yaml.safe_load((root / "params.yaml").read_text())
     params["federation"]["rounds"] = 3
     (root / "params.yaml").write_text(yaml.safe_dump(params))
     out = sh([*dvc, "repro"], root, env)
-    assert ran(out) == {"train-tiny-local", "train-tiny-fedavg", "train-tiny-fedprox", "learn2pfed-tiny", "tables",
-                        "compare"}  # not prepare-digits
+    assert ran(out) == {"train-tiny", "learn2pfed-tiny", "tables", "compare"}  # not prepare-digits
     assert json.loads((root / "metrics/tiny/fedavg/seed-0.json").read_text())["final/round"] == 3
 
 
@@ -114,7 +122,7 @@ def test_dvc_exp_run_with_set_param(repo_copy):
     sh(["git", "add", "-A"], root, env)
     sh(["git", "commit", "-qm", "after repro", "--allow-empty"], root, env)
     out = sh([sys.executable, "-m", "dvc", "exp", "run", "-S", "federation.rounds=4"], root, env)
-    assert "Running stage 'train-tiny-fedavg'" in out
+    assert "Running stage 'train-tiny'" in out
     shown = sh([sys.executable, "-m", "dvc", "exp", "show", "--json"], root, env)
     assert "federation.rounds" in shown or '"rounds": 4' in shown
     from mlflow.tracking import MlflowClient  # its MLflow runs name the experiment

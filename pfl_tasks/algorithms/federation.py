@@ -240,6 +240,16 @@ def run_round(steps, fed: Federation, state: RunState, round_idx: int) -> RunSta
     return steps.aggregate(fed, round_idx, state, results)
 
 
+def play_rounds(play, first: int, stop: int) -> str | None:
+    """`play(round_idx)` for rounds `first` to `stop - 1`, stopping at the first that reports
+    a problem (a diverged run), which it returns."""
+    for round_idx in range(first, stop):
+        problem = play(round_idx)
+        if problem is not None:
+            return problem
+    return None
+
+
 class InlineSteps:
     """The same steps as plain calls (chunks on a thread pool): no orchestration cost."""
 
@@ -247,6 +257,7 @@ class InlineSteps:
         self.max_workers = max_workers
 
     round = run_round
+    span, spans_rounds = staticmethod(play_rounds), False
 
     def sample(self, fed, round_idx):
         return fed.sample_clients(round_idx)
