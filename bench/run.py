@@ -3,7 +3,7 @@ by side in this one run: repetitions interleave the setups, and each time is a m
 `--reps` (at least 5), because shared machines are noisy.
 
   P1  vectorized vs sequential executor: one round of the same work with the same seed
-  P2  Prefect vs inline orchestration of the default digits experiment's rounds, with a task
+  P2  Prefect vs inline orchestration of the digits CNN experiment (params-digits.yaml)'s rounds, with a task
       per step and with one task per round (engine.round_tasks)
   P3  per-round time at K=100 sampled clients for N = 100, 1,000, 10,000 clients of a
       ~100k-parameter model with per-client state (Ditto), all in one process; peak RSS
@@ -244,12 +244,12 @@ def p2(reps: int, rounds: int) -> list[dict]:
     from flows.prepare import prepare
     from flows.train import PrefectSteps, RoundSteps
 
-    params = load_params("params.yaml")
+    params = load_params("params-digits.yaml")
     exp = params.experiment("digits").model_copy(update={"seed": 0})
     with tempfile.TemporaryDirectory() as tmp:
         from pfl_tasks.data import load_partition
 
-        data = load_partition(prepare("digits", "params.yaml", Path(tmp)) / "seed-0")
+        data = load_partition(prepare("digits", "params-digits.yaml", Path(tmp)) / "seed-0")
     fed = Federation(exp, build("fedavg", exp.hyper["fedavg"]), data)
     every, workers = exp.federation.eval_every, exp.engine.max_workers
 
@@ -307,17 +307,17 @@ def p3(reps: int, ns: list[int], k: int, device: str = "cpu") -> dict:
 
 # ----------------------------------------------------------------------------- profile
 def profile(rounds: int) -> dict:
-    """cProfile of a default digits training run (inline, FedAvg) as a `train` stage runs it:
+    """cProfile of a digits CNN training run (params-digits.yaml) (inline, FedAvg) as a `train` stage runs it:
     the second run of the process, on an existing MLflow store, so one-off imports and store
     creation are left out. Shares of its wall time."""
     from flows.prepare import prepare
     from flows.train import train_run
 
-    params = load_params("params.yaml")
+    params = load_params("params-digits.yaml")
     exp = params.experiment("digits")
     exp = exp.model_copy(update={"federation": exp.federation.model_copy(update={"rounds": rounds})})
     with tempfile.TemporaryDirectory() as tmp:
-        prepare("digits", "params.yaml", Path(tmp) / "data" / "partitions")
+        prepare("digits", "params-digits.yaml", Path(tmp) / "data" / "partitions")
 
         def run(seed: int):
             train_run(exp.model_copy(update={"seed": seed}), "fedavg", exp.hyper["fedavg"], Path(tmp),

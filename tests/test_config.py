@@ -13,10 +13,11 @@ def error_of(data) -> str:
 
 def test_repo_params_yaml_is_valid():
     params = validate_params(load_params("params.yaml"))
-    assert set(params.experiments) >= {"synthetic", "digits", "poly1", "poly2", "poly3"}
+    assert set(params.experiments) >= {"mnist", "poly1"} and set(params.learn2pfed) >= {"poly1"}
 
 
-@pytest.mark.parametrize("path", ["params-quick.yaml", "params-fmnist.yaml"])
+@pytest.mark.parametrize("path", ["params-quick.yaml", "params-fmnist.yaml", "params-digits.yaml",
+                                  "params-extended.yaml"])
 def test_repo_other_params_files_are_valid(path):
     validate_params(load_params(path))
 

@@ -233,7 +233,7 @@ def test_validation_meta_training_learns_to_share_the_shared_coefficients():
 
 @pytest.mark.slow
 def test_validation_supervised_learn2pfed_beats_local_and_fedavg_optima_on_scarce_polynomial():
-    """The `poly1_scarce` dataset of params.yaml (10 clients, ~15 noisy points each), averaged
+    """The `poly1_scarce` dataset of params-extended.yaml (10 clients, ~15 noisy points each), averaged
     over three generated datasets: lower test MSE than Local-only's and FedAvg's optima."""
     runs = [scarce_polynomial(200, 10, 1.0, seed) for seed in range(3)]
     mse = np.mean([r[0] for r in runs])

@@ -22,14 +22,14 @@ def documented_filters() -> list[str]:
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory) -> str:
-    """Three finished runs of `digits`, tagged and logged as the training flow does."""
+    """Three finished runs of `mnist`, tagged and logged as the training flow does."""
     from mlflow.tracking import MlflowClient
 
     uri = f"sqlite:///{tmp_path_factory.mktemp('mlflow')}/mlflow.db"
     client = MlflowClient(uri)
-    experiment = client.create_experiment("digits")
+    experiment = client.create_experiment("mnist")
     for algorithm, mu, acc in (("fedavg", None, 0.7), ("fedprox", "0.1", 0.75), ("ditto", "0.1", 0.9)):
-        run = client.create_run(experiment, tags={"algorithm": algorithm, "seed": "0", "experiment": "digits"})
+        run = client.create_run(experiment, tags={"algorithm": algorithm, "seed": "0", "experiment": "mnist"})
         if mu is not None:
             client.log_param(run.info.run_id, "algorithm.mu", mu)
         client.log_metric(run.info.run_id, "selected/test/personalized/acc_mean", acc)
@@ -43,7 +43,7 @@ def test_documented_filter_is_accepted_and_selects_runs(store, filter_string, mo
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", store)  # as the README sets it (never mlflow.set_tracking_uri:
                                                       # it sets this variable for the rest of the process)
-    runs = mlflow.search_runs(experiment_names=["digits"], filter_string=filter_string)
+    runs = mlflow.search_runs(experiment_names=["mnist"], filter_string=filter_string)
     assert len(runs) > 0
 
 
@@ -51,8 +51,8 @@ def test_documented_cli_reads_the_tracking_uri(store):
     env = {**os.environ, "MLFLOW_TRACKING_URI": store}
     mlflow = [sys.executable, "-m", "mlflow"]
     found = subprocess.run([*mlflow, "experiments", "search"], env=env, capture_output=True, text=True, check=True)
-    assert "digits" in found.stdout
-    experiment_id = re.search(r"^\s*(\d+)\s+digits", found.stdout, re.M).group(1)
+    assert "mnist" in found.stdout
+    experiment_id = re.search(r"^\s*(\d+)\s+mnist", found.stdout, re.M).group(1)
     runs = subprocess.run([*mlflow, "runs", "list", "--experiment-id", experiment_id], env=env,
                           capture_output=True, text=True, check=True)
     assert len([line for line in runs.stdout.splitlines() if "FINISHED" in line or re.search(r"[0-9a-f]{32}", line)]) == 3
