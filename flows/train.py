@@ -214,8 +214,9 @@ class IntervalSteps(InlineSteps):
 def prefect_steps(engine: EngineConfig):
     if engine.task_runner == "ray":
         return RaySteps()
-    return {"round": lambda: RoundSteps(engine.max_workers), "interval": lambda: IntervalSteps(engine.max_workers),
-            "steps": PrefectSteps}[engine.round_tasks]()
+    if engine.round_tasks == "steps":
+        return PrefectSteps()
+    return (RoundSteps if engine.round_tasks == "round" else IntervalSteps)(engine.max_workers)
 
 
 # ----------------------------------------------------------------------------- one run

@@ -178,9 +178,9 @@ def prefect_harness():
         yield
 
 
-def train_tiny(root, prepared_digits, experiment: str = "tiny", **engine) -> dict:
-    """FedAvg and Ditto, 2 rounds of 2 chunks under Prefect with these engine settings:
-    their final metrics and checkpoints."""
+def train_tiny(root, prepared_digits, experiment: str = "tiny", federation=None, **engine) -> dict:
+    """FedAvg and Ditto, 2 rounds of 2 chunks (or as `federation` says) under Prefect with
+    these engine settings: their final metrics and checkpoints."""
     import shutil
 
     import yaml
@@ -193,7 +193,7 @@ def train_tiny(root, prepared_digits, experiment: str = "tiny", **engine) -> dic
     data["experiments"][experiment] = data["experiments"].pop("tiny")
     data["algorithms"]["ditto"] = {"mu": 0.1}
     data["engine"] = {"orchestrator": "prefect", "device": "cpu", "chunk_size": 4, **engine}
-    data["federation"] = {"rounds": 2, "eval_every": 1, "checkpoint_every": 2}
+    data["federation"] = federation or {"rounds": 2, "eval_every": 1, "checkpoint_every": 2}
     data["tracking"] = {"mlflow_uri": mlflow_uri()}
     (root / "params.yaml").write_text(yaml.safe_dump(data))
     finals = train_experiment(experiment, str(root / "params.yaml"), str(root))

@@ -85,35 +85,47 @@ def test_progress_bar_shows_on_a_terminal_only_and_never_under_ci(monkeypatch):
     assert progress("run", 10, 0, "round").disable
 
 
-def test_one_task_per_round_is_bit_identical_to_a_task_per_step(tmp_path, prepared_digits, prefect_harness,
-                                                                 monkeypatch):
+def task_names(flow_run: str, expected: set[str]) -> set[str]:
+    """The flow run's task-run names once `expected` are recorded and the next flush of the
+    server's batches is in (it records task runs from events, after they ran), or after 30 s."""
     from prefect import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
 
+    deadline = time.monotonic() + 30
+
+    def read() -> set[str]:
+        with get_client(sync_client=True) as client:
+            runs = client.read_task_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[flow_run])))
+        return {t.name for t in runs}
+
+    while not expected <= read() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    time.sleep(2)
+    return read()
+
+
+def test_one_task_per_round_is_bit_identical_to_a_task_per_step(tmp_path, prepared_digits, prefect_harness,
+                                                                 monkeypatch):
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     (tmp_path / "steps").mkdir()
     (tmp_path / "round").mkdir()
     per_step = train_tiny(tmp_path / "steps", prepared_digits, "tiny_steps", round_tasks="steps")
     per_round = train_tiny(tmp_path / "round", prepared_digits, "tiny_round", round_tasks="round")
     assert_same_runs(per_step, per_round)
-
-    def task_names(flow_run: str, expected: set[str]) -> set[str]:
-        """The flow run's task-run names once `expected` are recorded and the next flush of
-        the server's batches is in (it records task runs from events, after they ran), or
-        after 30 s."""
-        deadline = time.monotonic() + 30
-
-        def read() -> set[str]:
-            with get_client(sync_client=True) as client:
-                runs = client.read_task_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[flow_run])))
-            return {t.name for t in runs}
-
-        while not expected <= read() and time.monotonic() < deadline:
-            time.sleep(0.5)
-        time.sleep(2)
-        return read()
-
     per_round_tasks = {"round-1", "round-2", "round-1/evaluate", "round-2/evaluate", "round-2/checkpoint"}
     assert task_names("tiny_round-ditto-seed0", per_round_tasks) == per_round_tasks
     per_step_tasks = {"round-1/sample_clients", "round-1/local_update-chunk-1", "round-1/aggregate"}
     assert per_step_tasks <= task_names("tiny_steps-ditto-seed0", per_step_tasks)
+
+
+def test_one_task_per_interval_between_evaluations_is_bit_identical_to_a_task_per_round(
+        tmp_path, prepared_digits, prefect_harness, monkeypatch):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    federation = {"rounds": 5, "eval_every": 2, "checkpoint_every": 4}  # spans end at 2, 4 and 5
+    runs = {}
+    for mode in ("round", "interval"):
+        (tmp_path / mode).mkdir()
+        runs[mode] = train_tiny(tmp_path / mode, prepared_digits, f"tiny_{mode}", federation, round_tasks=mode)
+    assert_same_runs(runs["round"], runs["interval"])
+    spans = {"rounds-1-2", "rounds-3-4", "rounds-5-5"}  # evaluations and checkpoints inside them
+    assert task_names("tiny_interval-ditto-seed0", spans) == spans
