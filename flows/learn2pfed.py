@@ -76,10 +76,10 @@ def upstream_features(exp: ResolvedExperiment, params, data: FederatedData, run_
         raise ConfigError(f"{where}: '{run_name}' diverged at round {outcome['round']} ({paths.metrics}): "
                           "no trained body to take features from")
     if not path.exists():
-        raise CheckpointError(f"{path}: missing; run `dvc repro {stage_name('train', exp.name, run_name)}` first")
+        raise CheckpointError(f"{path}: missing; run `dvc repro {stage_name('train', exp.name)}` first")
     ckpt = load_checkpoint(path, {"experiment": exp.name, "algorithm": run_name})
     if ckpt["round"] != exp.federation.rounds:
-        raise CheckpointError(f"{path}: at round {ckpt['round']} of {exp.federation.rounds}; finish {stage_name('train', exp.name, run_name)} first")
+        raise CheckpointError(f"{path}: at round {ckpt['round']} of {exp.federation.rounds}; finish {stage_name('train', exp.name)} first")
     model = build(run_name, exp.hyper[run_name]).global_model(ckpt["server"], ckpt["clients"])
     if model is None:
         raise ConfigError(f"{where}: '{run_name}' has no global model to take a body from")

@@ -29,7 +29,7 @@ def test_learn2pfed_head_on_upstream_body_resumes_and_lands_in_the_table(project
     from pfl_tasks.engine.checkpoint import CheckpointError
 
     path = write_params(project, epochs=8)
-    with pytest.raises(CheckpointError, match="train-tiny-fedavg"):  # no upstream checkpoint yet
+    with pytest.raises(CheckpointError, match=r"dvc repro train-tiny` first"):  # no upstream checkpoint yet; the stage that exists
         run_experiment("tiny", path, str(project))
     train_experiment("tiny", path, str(project))
 
