@@ -2,7 +2,8 @@
 significance marks, plateau, compute and communication columns, learning curves, metric against
 compute, and per-client distributions (the protocol: pfl_tasks/reports.py).
 
-Writes `reports/compare/<experiment>.md` with its PNGs in `reports/figures/`. Without names,
+Writes `reports/compare/<experiment>.md` with its PNGs in `reports/figures/`, and each method's
+mean in `reports/ranking.json` (DVC metrics). Without names,
 every experiment of the params file that MLflow has runs of.
 
     python -m flows.compare [experiment ...] [--params params.yaml] [--tracking-uri URI]
@@ -11,39 +12,49 @@ every experiment of the params file that MLflow has runs of.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
 import flows  # noqa: F401  (environment defaults)
 from flows.stage import stage_main
 from pfl_tasks.config import load_params
-from pfl_tasks.reports import ComparisonError, configured_runs, write_report
+from pfl_tasks.files import atomic_write_text
+from pfl_tasks.reports import best_line, configured_runs, results_store, write_report
+from pfl_tasks.tracking import json_text
 from pfl_tasks.tracking import tracking_uri as configured_uri
 
 REPORTS = Path("reports/compare")
 FIGURES = Path("reports/figures")
+RANKING = Path("reports/ranking.json")
 
 
 def compare(experiments: list[str] | None = None, params_path: str = "params.yaml", tracking_uri: str | None = None,
             root: str = ".") -> dict[str, list]:
-    from mlflow.tracking import MlflowClient
-
-    params = load_params(params_path)
+    params, experiments_asked = load_params(params_path), experiments
     uri = tracking_uri or configured_uri(params.tracking.mlflow_uri)
-    client = MlflowClient(tracking_uri=uri)
-    if experiments is None:  # every configured experiment that has runs
-        experiments = [e for e in params.experiments if client.get_experiment_by_name(e) is not None]
-        if not experiments:
-            raise ComparisonError(f"MLflow at {uri} has none of the experiments {sorted(params.experiments)}")
+    # without names: every configured experiment that has runs
+    client, experiments = results_store(uri, experiments or list(params.experiments), params_path,
+                                        every=experiments is not None)
     root = Path(root)
     rankings = {}
     for experiment in experiments:
         only = configured_runs(params, experiment, root) if experiment in params.experiments else None
         results = rankings[experiment] = write_report(client, experiment, root / REPORTS, root / FIGURES, only)
-        ranked = [r for r in results if r.ranked]
-        best = f"best {ranked[0].method} ({ranked[0].personalized[0]:.4f})" if ranked else "none ranked"
-        print(f"{experiment}: {len(ranked)} methods ranked, {best} -> {root / REPORTS / experiment}.md")
+        ranked = sum(r.ranked for r in results)
+        print(f"{experiment}: {ranked} methods ranked, {best_line(results)} -> {root / REPORTS / experiment}.md")
+    write_ranking(root / RANKING, rankings, keep_others=bool(experiments_asked))
     return rankings
+
+
+def write_ranking(path: Path, rankings: dict[str, list], keep_others: bool) -> None:
+    """DVC metrics `<experiment>.<method>`: each ranked method's mean over clients and seeds, the
+    number its report ranks by; short keys, so that `dvc exp show` compares experiments in a
+    terminal. `keep_others`: the experiments not compared now keep their entries."""
+    ranking = json.loads(path.read_text()) if keep_others and path.exists() else {}
+    ranking.update({experiment: {r.method: r.personalized[0] for r in results if r.ranked}
+                    for experiment, results in rankings.items()})
+    atomic_write_text(path, json_text(ranking))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -32,6 +32,7 @@ from pfl_tasks.algorithms.learn2pfed_meta import (
 )
 from pfl_tasks.config import ConfigError, Learn2pFedConfig, ResolvedExperiment, config_hash, load_params
 from pfl_tasks.data import FederatedData, load_partition, partition_dir
+from pfl_tasks.data.store import read_manifest
 from pfl_tasks.engine.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from pfl_tasks.imports import ROOT, code_hash, numeric_code
 from pfl_tasks.nets import build_net, embed, head_keys, split_net
@@ -66,17 +67,32 @@ def learn2pfed_code(params, experiment: str) -> list[Path]:
     return sorted({Path(__file__).relative_to(ROOT), *code})
 
 
+def upstream_checkpoint(exp: ResolvedExperiment, run_name: str, root: Path) -> Path:
+    """The checkpoint of `run_name`'s `train` run that gives the features; errors name the stage to run."""
+    paths = RunPaths.of(root, exp.name, run_name, exp.seed)
+    outcome = json.loads(paths.metrics.read_text()) if paths.metrics.exists() else {}
+    if outcome.get("status") == "diverged":
+        raise ConfigError(f"learn2pfed.{exp.name}.features_from: '{run_name}' diverged at round {outcome['round']} "
+                          f"({paths.metrics}): no trained body to take features from")
+    if not paths.checkpoint.exists():
+        raise CheckpointError(f"{paths.checkpoint}: missing; run `dvc repro {stage_name('train', exp.name)}` first")
+    return paths.checkpoint
+
+
+def check_inputs(params, experiment: str, root: Path) -> None:
+    """What every run of `experiment` reads, checked before the store opens and Prefect starts:
+    each seed's partition and, for classification, the upstream checkpoint."""
+    exp, upstream = params.experiment(experiment), params.learn2pfed[experiment].features_from
+    for seed in exp.seeds:
+        manifest = read_manifest(partition_dir(root, exp.dataset, seed))
+        if manifest.task == "classification" and upstream is not None:
+            upstream_checkpoint(exp.model_copy(update={"seed": seed}), upstream, root)
+
+
 def upstream_features(exp: ResolvedExperiment, params, data: FederatedData, run_name: str, root: Path):
     """(features, w0, hash): the trained body of `run_name`'s checkpoint as a frozen feature
     map, its head [classes, hidden + 1] flattened as the cells' starting w."""
-    paths = RunPaths.of(root, exp.name, run_name, exp.seed)
-    path, where = paths.checkpoint, f"learn2pfed.{exp.name}.features_from"
-    outcome = json.loads(paths.metrics.read_text()) if paths.metrics.exists() else {}
-    if outcome.get("status") == "diverged":
-        raise ConfigError(f"{where}: '{run_name}' diverged at round {outcome['round']} ({paths.metrics}): "
-                          "no trained body to take features from")
-    if not path.exists():
-        raise CheckpointError(f"{path}: missing; run `dvc repro {stage_name('train', exp.name)}` first")
+    path, where = upstream_checkpoint(exp, run_name, root), f"learn2pfed.{exp.name}.features_from"
     ckpt = load_checkpoint(path, {"experiment": exp.name, "algorithm": run_name})
     if ckpt["round"] != exp.federation.rounds:
         raise CheckpointError(f"{path}: at round {ckpt['round']} of {exp.federation.rounds}; finish {stage_name('train', exp.name)} first")
@@ -174,7 +190,8 @@ def learn2pfed_flow(experiment: str, supervision: str, seed: int, params_path: s
         run.log(history)
 
         def snapshot() -> dict:
-            return {**identity, "round": len(history), "cells": cells.state_dict(), "optimizer": opt.state_dict(),
+            return {**identity, "round": len(history), "budget": cfg.meta.epochs, "cells": cells.state_dict(),
+                    "optimizer": opt.state_dict(),
                     "history": history, "mlflow_run_id": run.tracker.run_id, "seed": seed}
 
         run.snapshot = snapshot
@@ -225,6 +242,7 @@ def run_experiment(experiment: str, params_path: str = "params.yaml", root: str 
     if experiment not in params.learn2pfed:
         raise ConfigError(f"learn2pfed: no entry '{experiment}' (have: {sorted(params.learn2pfed)})")
     exp = params.experiment(experiment)
+    check_inputs(params, experiment, Path(root))
     open_store(tracking_uri(params.tracking.mlflow_uri))
     with prefect_api():
         return {

@@ -29,7 +29,7 @@ from flows.stage import prefect_api, stage_main
 from flows.tables import write_tables
 from flows.train import train_experiment
 from pfl_tasks.algorithms import validate_params
-from pfl_tasks.config import ConfigError, load_params
+from pfl_tasks.config import ConfigError, Params, load_params
 from pfl_tasks.tracking import tracking_uri
 
 STEP_OPTIONS = dict(cache_policy=NO_CACHE, persist_result=False)
@@ -51,15 +51,20 @@ def repro_flow(targets: list[str] | None = None, root: str = ".") -> None:
         raise RuntimeError(f"dvc repro exited with status {proc.returncode}")
 
 
-@flow(name="pfl-pipeline", flow_run_name="pipeline-{params_path}", persist_result=False)
-def pipeline_flow(params_path: str = "params.yaml", root: str = ".", experiments: list[str] | None = None) -> dict:
-    """Every stage for `experiments` (default: all, and then the tables too); returns each
-    experiment's ranking."""
+def checked_params(params_path: str, experiments: list[str] | None) -> tuple[Params, list[str]]:
+    """The validated params and the experiments to run (default: all); a ConfigError names the key."""
     params = validate_params(load_params(params_path))
     unknown = sorted(set(experiments or []) - set(params.experiments))
     if unknown:
         raise ConfigError(f"{params_path}: no experiment(s) {unknown} (have: {sorted(params.experiments)})")
-    chosen = experiments or list(params.experiments)
+    return params, experiments or list(params.experiments)
+
+
+@flow(name="pfl-pipeline", flow_run_name="pipeline-{params_path}", persist_result=False)
+def pipeline_flow(params_path: str = "params.yaml", root: str = ".", experiments: list[str] | None = None) -> dict:
+    """Every stage for `experiments` (default: all, and then the tables too); returns each
+    experiment's ranking."""
+    params, chosen = checked_params(params_path, experiments)
     for dataset in sorted({params.experiments[e].dataset for e in chosen}):
         prepare_step(dataset, params_path, Path(root) / PARTITIONS)
     for experiment in chosen:
@@ -99,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     def work():
+        checked_params(args.params, args.experiments or None)  # before the Prefect server starts
         with prefect_api():
             pipeline_flow(args.params, args.root, args.experiments or None)
         print("\nWhere the results are (one run shown per kind):\n" +

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import logging
 import os
 import re
 import signal
@@ -115,10 +116,13 @@ def prefect_api(ui: bool = False) -> Iterator[str]:
 
 
 def _drain_prefect_workers() -> None:
-    """Send the logs and events Prefect's client still holds (as its test harness does)."""
+    """Send the logs and events Prefect's client still holds (as its test harness does), without
+    the workers' "Still processing items: N items remaining" warnings: that wait is this one."""
     from prefect.events.worker import EventsWorker
     from prefect.logging.handlers import APILogWorker
 
+    for worker in (APILogWorker, EventsWorker):  # each logs to a logger named after its class
+        logging.getLogger(worker.__name__).setLevel(logging.ERROR)
     with contextlib.suppress(RuntimeError):  # never started
         APILogWorker.instance().drain()
     EventsWorker.drain_all()
@@ -128,13 +132,46 @@ def _stop(signum, frame) -> None:
     raise RunStopped(signum)
 
 
+class QuietExpectedErrors(logging.Filter):
+    """Keeps off the console Prefect's report of a flow or task run that failed on an expected
+    error (its traceback, then the run's "Finished in state Failed"): `stage_main` says it in
+    one line. The Prefect API still records it; any other error keeps its traceback."""
+
+    def __init__(self):
+        super().__init__()
+        self.failed_runs: set[str] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        run = getattr(record, "task_run_id", None) or getattr(record, "flow_run_id", None)
+        if record.exc_info and isinstance(record.exc_info[1], EXPECTED):
+            if run is not None:
+                self.failed_runs.add(run)
+            return False
+        return run not in self.failed_runs
+
+
+@contextlib.contextmanager
+def quiet_expected_errors() -> Iterator[None]:
+    """`QuietExpectedErrors` on the root logger's handlers, where Prefect's run loggers reach
+    the console."""
+    handlers, quiet = list(logging.getLogger().handlers), QuietExpectedErrors()
+    for handler in handlers:
+        handler.addFilter(quiet)
+    try:
+        yield
+    finally:
+        for handler in handlers:
+            handler.removeFilter(quiet)
+
+
 def stage_main(name: str, work: Callable[[], object]) -> int:
     """Run `work` and map its end to an exit code: 0 done; 2 a clear error of config, data,
     checkpoint, lock or tracking (one line); 128 + N stopped by signal N (SIGTERM stops it
     cleanly, as SIGINT does); 1 anything else (traceback, then one line)."""
     previous = signal.signal(signal.SIGTERM, _stop)
     try:
-        work()
+        with quiet_expected_errors():
+            work()
     except RunStopped as err:
         print(f"{name} {err}", file=sys.stderr)
         return 128 + err.signum

@@ -21,7 +21,7 @@ import yaml
 import flows  # noqa: F401  (environment defaults)
 from flows.learn2pfed import learn2pfed_code
 from flows.stage import stage_main, stage_name
-from pfl_tasks.algorithms import source_file, validate_params
+from pfl_tasks.algorithms import hyper_parameters, source_file, validate_params
 from pfl_tasks.config import ConfigError, load_params, read_params
 from pfl_tasks.files import atomic_write_text
 from pfl_tasks.imports import ROOT, numeric_code, run_code
@@ -41,18 +41,18 @@ def train_stage(params, raw: dict, experiment: str) -> dict:
     keys = [f"experiments.{experiment}.{k}" for k in raw_exp if k != "algorithm_overrides"]
     keys += [f"experiments.{experiment}.algorithm_overrides.{run}" for run in exp.algorithms
              if run in raw_exp.get("algorithm_overrides", {})]
-    keys += [f"algorithms.{run}" for run in exp.algorithms if run in raw.get("algorithms", {})]
+    keys += [f"algorithms.{run}" for run in exp.algorithms if raw["algorithms"][run]]  # `local` has none
     code = numeric_code(*(source_file(run, exp.hyper[run]) for run in exp.algorithms))
     # persistent outputs: DVC leaves them in place, and the flow keeps the runs it skips
     return {
         "cmd": f"python -m flows.train {experiment} --on-config-change restart",
         "deps": [f"data/partitions/{exp.dataset}", "flows/train.py", *map(str, code)],
         "params": GLOBAL_KEYS + keys,
-        "outs": [{f"models/{experiment}": {"persist": True}}],
+        # the learning curves are data (the reports draw them): DVC's own plots would be Vega
+        # charts that load their scripts from a CDN, blank offline
+        "outs": [{f"models/{experiment}": {"persist": True}},
+                 {f"plots/{experiment}": {"cache": False, "persist": True}}],
         "metrics": [{f"metrics/{experiment}": {"cache": False, "persist": True}}],
-        # one figure a run: its mean test metric (accuracy or MSE) over clients, by round
-        "plots": [{f"plots/{experiment}": {"cache": False, "persist": True, "x": "round", "y": "test/personalized",
-                                           "title": f"{experiment}, personalized model on test"}}],
     }
 
 
@@ -63,16 +63,33 @@ def learn2pfed_stage(params, experiment: str) -> dict:
         "deps": [f"data/partitions/{exp.dataset}", *([f"models/{experiment}/{upstream}"] if upstream else []),
                  *map(str, learn2pfed_code(params, experiment))],
         "params": ["seed", f"experiments.{experiment}", f"learn2pfed.{experiment}"],
-        "outs": [{f"models/learn2pfed/{experiment}": {"persist": True}}],
+        "outs": [{f"models/learn2pfed/{experiment}": {"persist": True}},
+                 {f"plots/learn2pfed/{experiment}": {"cache": False}}],
         "metrics": [{f"metrics/learn2pfed/{experiment}": {"cache": False}}],
-        "plots": [{f"plots/learn2pfed/{experiment}": {"cache": False, "x": "epoch", "y": "meta_loss",
-                                                      "title": f"{experiment}, Learn2pFed meta loss"}}],
     }
 
 
+def unlisted_defaults(params, raw: dict) -> dict[str, dict]:
+    """Per configured run, the hyper-parameters its `algorithms.<run>` entry leaves to the code's
+    defaults: DVC sees only the keys params.yaml holds (`dvc exp run -S` can change no other)."""
+    listed = raw.get("algorithms") or {}
+    runs = dict.fromkeys(run for name in params.experiments for run in params.experiment(name).algorithms)
+    missing = {run: {k: v for k, v in hyper_parameters(run, listed.get(run) or {}).items()
+                     if k not in (listed.get(run) or {})} for run in runs}
+    return {run: keys for run, keys in missing.items() if keys or run not in listed}
+
+
 def stages(params_path: str = "params.yaml") -> dict:
-    """dvc.yaml's content for this params file."""
+    """dvc.yaml's content for this params file, which lists every hyper-parameter of every
+    configured run (so that each can be changed with `dvc exp run -S`, rerunning its runs)."""
     params, raw = validate_params(load_params(params_path)), read_params(Path(params_path))
+    missing = unlisted_defaults(params, raw)
+    if missing:
+        entries = "; ".join(f"{run}: {yaml.safe_dump(keys, default_flow_style=True, width=1000, sort_keys=False).strip()}"
+                            for run, keys in missing.items())
+        raise ConfigError(f"{params_path}: every configured run lists its hyper-parameters under `algorithms` "
+                          f"(so `dvc exp run -S algorithms.<run>.<key>=...` can change them); add their "
+                          f"defaults: {entries}")
     out = {}
     for dataset in sorted({params.experiment(e).dataset for e in params.experiments}):
         out[stage_name("prepare", dataset)] = {
@@ -95,6 +112,7 @@ def stages(params_path: str = "params.yaml") -> dict:
     out["compare"] = {  # per experiment, from MLflow: ranking over seeds, learning curves, per-client spread
         "cmd": "python -m flows.compare", "deps": reads + list(map(str, run_code(ROOT / "flows/compare.py"))),
         "params": ["tracking", "experiments"], "outs": [{"reports/compare": {"cache": False}}],
+        "metrics": [{"reports/ranking.json": {"cache": False}}],  # each method's mean: for `dvc exp show`
         "plots": [{"reports/figures": {"cache": False}}],
     }
     return {"stages": out}

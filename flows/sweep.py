@@ -26,7 +26,7 @@ from flows.stage import prefect_api, stage_main
 from pfl_tasks.algorithms import validate_params
 from pfl_tasks.config import SweepConfig, parse_params
 from pfl_tasks.files import atomic_write_text
-from pfl_tasks.reports import winner_on_validation
+from pfl_tasks.reports import best_line, selection_metric, winner_on_validation
 from pfl_tasks.runs import RunStopped
 from pfl_tasks.tracking import MlflowRun, open_store, tracking_uri
 
@@ -34,20 +34,22 @@ SWEEPS = Path("sweeps")
 
 
 @flow(name="pfl-sweep", flow_run_name="sweep-{sweep.name}", persist_result=False)
-def sweep_flow(sweep: SweepConfig) -> dict:
+def sweep_flow(sweep: SweepConfig, root: str = ".") -> dict:
     """Validates the sweep into params (errors name the key), writes them to
-    `sweeps/<name>/params.yaml` and runs the pipeline there; returns, per experiment of the
-    sweep, the ranking (on test) and the method best on validation, the sweep's choice."""
+    `<root>/sweeps/<name>/params.yaml` and runs the pipeline there; returns, per experiment of the
+    sweep, the ranking (on test) and the method best on validation (its MethodResult), the
+    sweep's choice."""
     raw = sweep.params()
     validate_params(parse_params(raw))
-    root = SWEEPS / sweep.name
+    root = Path(root) / SWEEPS / sweep.name
     params_path = root / "params.yaml"
     atomic_write_text(params_path, yaml.safe_dump(raw, sort_keys=False))
     rankings = pipeline_flow(str(params_path), str(root))
     results = {}
     for experiment, ranking in rankings.items():
         winner = winner_on_validation(ranking)
-        print(f"sweep {sweep.name}: {experiment}: {winner} is best on validation "
+        chosen = "none ranked" if winner is None else f"{winner.method} ({winner.val:.4f})"
+        print(f"sweep {sweep.name}: {experiment}: chosen on validation: {chosen}; on test: {best_line(ranking)} "
               f"({root / 'reports' / 'compare' / experiment}.md)")
         results[experiment] = {"ranking": ranking, "winner_on_validation": winner}
     if len(rankings) > 1:
@@ -55,22 +57,26 @@ def sweep_flow(sweep: SweepConfig) -> dict:
     return results
 
 
-def run_sweep(sweep: SweepConfig) -> None:
+def run_sweep(sweep: SweepConfig, root: str = ".") -> None:
     """The sweep from a shell: validated before anything starts (an error names the key), then
     run under one MLflow parent run (experiment `<experiment>-<name>`, run `sweep-<name>`)
     whose children are its training runs (tags `mlflow.parentRunId`, `sweep`); the parent ends
-    FINISHED, FAILED, or KILLED by a signal, as its children do."""
+    FINISHED, FAILED, or KILLED by a signal, as its children do. The parent holds the grid
+    (params `grid.<key>`) and, once the sweep ends, its choice (`record_choice`)."""
     params = validate_params(parse_params(sweep.params()))
     open_store(tracking_uri(params.tracking.mlflow_uri))
     parent = None
     try:
         parent = MlflowRun(params.tracking.mlflow_uri, sweep.experiment_name, f"sweep-{sweep.name}", None,
                            params.tracking.retry_seconds, tags={"sweep": sweep.name})
+        parent.log_params_and_tags({f"grid.{key}": json.dumps(values) for key, values in sweep.grid.items()}, {})
         with tempfile.TemporaryDirectory() as tmp:
             (Path(tmp) / "sweep.json").write_text(sweep.model_dump_json(indent=1, exclude={"tags"}))
             parent.log_artifacts(Path(tmp))
         with prefect_api():
-            sweep_flow(sweep.model_copy(update={"tags": {"mlflow.parentRunId": parent.run_id, "sweep": sweep.name}}))
+            results = sweep_flow(sweep.model_copy(update={"tags": {"mlflow.parentRunId": parent.run_id,
+                                                                   "sweep": sweep.name}}), root)
+        record_choice(parent, results)
     except BaseException as exc:
         if parent is not None:
             status = "KILLED" if isinstance(exc, (RunStopped, KeyboardInterrupt)) else "FAILED"
@@ -80,6 +86,21 @@ def run_sweep(sweep: SweepConfig) -> None:
                 print(f"sweep {sweep.name}: MLflow parent run {parent.run_id} left RUNNING ({err})", file=sys.stderr)
         raise
     parent.finish()
+
+
+def record_choice(parent: MlflowRun, results: dict) -> None:
+    """The sweep's choice on its MLflow parent run: tag `winner` (the variant best on validation,
+    `ditto_mu0.1`), tag `selection_metric` (what it was chosen on) and that metric's value for
+    the winner; a sweep of several experiments (a grid over another key) suffixes each key
+    with `/<experiment>`."""
+    for experiment, outcome in results.items():
+        winner = outcome["winner_on_validation"]
+        if winner is None:
+            continue
+        suffix = f"/{experiment}" if len(results) > 1 else ""
+        metric = selection_metric(winner.metric)
+        parent.log_params_and_tags({}, {f"winner{suffix}": winner.method, f"selection_metric{suffix}": metric})
+        parent.log_metrics({f"{metric}{suffix}": winner.val}, step=0)
 
 
 def main(argv: list[str] | None = None) -> int:

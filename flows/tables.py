@@ -4,8 +4,9 @@ Rows are methods (every algorithm of the `train` stage and Learn2pFed's runs), c
 experiments. The runs and every number come from the same place as the `compare` report
 (`pfl_tasks.reports`): per configured (method, seed) the newest finished run in MLflow; a cell
 is the personalized test metric at the round selected on validation, mean over clients and
-seeds [95% CI], marked ≈ when not significantly different from the column's best and † when
-the personalized model is the global one; a diverged method reads "diverged at round R".
+seeds [95% CI], marked ≈ when not significantly different from the column's best, † when
+the personalized model is the global one and ✓ on the column's best on validation; a diverged
+method reads "diverged at round R".
 Writes `reports/markdown/<table>.md` and the DVC metrics `reports/tables/<table>/<method>.json`
 (`dvc metrics show --md reports/tables/<table>`: a row per method), and logs the table and
 every cell's numbers to MLflow (experiment `tables`).
@@ -26,20 +27,22 @@ from flows.stage import stage_main
 from pfl_tasks.config import ConfigError, Params, TableConfig, load_params
 from pfl_tasks.files import atomic_write_text
 from pfl_tasks.reports import (
-    MethodResult, collect, configured_runs, diverged_note, interval, marks, primary_metric, protocol_lines, summarize,
+    MethodResult, collect, configured_runs, diverged_note, interval, marks, primary_metric, protocol_lines,
+    results_store, summarize, winner_on_validation,
 )
 from pfl_tasks.tracking import MlflowRun, tracking_uri
 
 REPORTS = Path("reports")
 
 
-def cell(result: MethodResult, metric: str) -> dict:
+def cell(result: MethodResult, metric: str, chosen: bool) -> dict:
+    """`chosen`: the column's best on validation."""
     if not result.ranked:
         return {"metric": metric, "status": diverged_note(result) if result.diverged else "no per-client results"}
     point, low, high = result.personalized
     return {"metric": metric, "mean": point, "ci_low": low, "ci_high": high, "seeds": len(result.seeds),
             "not_worse_than_best": result.indistinguishable(), "global_only": result.global_only,
-            "marks": marks(result)}
+            "best_on_validation": chosen, "marks": marks(result, chosen)}
 
 
 def build_table(client, params: Params, table: TableConfig, root: Path) -> dict[str, dict[str, dict]]:
@@ -51,7 +54,9 @@ def build_table(client, params: Params, table: TableConfig, root: Path) -> dict[
     for experiment in table.experiments:
         newest = collect(client, experiment, configured_runs(params, experiment, root))
         metric = primary_metric(newest)
-        columns[experiment] = {r.method: cell(r, metric) for r in summarize(client, newest, metric)}
+        results = summarize(client, newest, metric)
+        chosen = winner_on_validation(results)
+        columns[experiment] = {r.method: cell(r, metric, r is chosen) for r in results}
     found = {m for column in columns.values() for m in column}
     missing = sorted(set(table.methods or []) - found)
     if missing:
@@ -94,14 +99,14 @@ def write_dvc_table(folder: Path, rows: dict) -> None:
 
 
 def write_tables(params_path: str = "params.yaml", root: str = ".") -> list[Path]:
-    from mlflow.tracking import MlflowClient
-
     params, root = load_params(params_path), Path(root)
-    client = MlflowClient(tracking_uri=tracking_uri(params.tracking.mlflow_uri))
+    configured = {e for table in params.tables.values() for e in table.experiments} & set(params.experiments)
+    client, _ = results_store(tracking_uri(params.tracking.mlflow_uri), sorted(configured), params_path)
+    # every table built before any is written: an error leaves no partial outputs
+    tables = {name: build_table(client, params, table, root) for name, table in params.tables.items()}
     written = []
-    for name, table in params.tables.items():
-        rows = build_table(client, params, table, root)
-        text, blob = markdown(name, rows, table.experiments), json.dumps(rows, indent=1, sort_keys=True)
+    for name, rows in tables.items():
+        text, blob = markdown(name, rows, params.tables[name].experiments), json.dumps(rows, indent=1, sort_keys=True)
         md = root / REPORTS / "markdown" / f"{name}.md"
         atomic_write_text(md, text)
         write_dvc_table(root / REPORTS / "tables" / name, rows)

@@ -29,7 +29,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.task_runners import ThreadPoolTaskRunner
 from pydantic import ValidationError
 
-from pfl_tasks.algorithms import build, source_file, validate_params
+from pfl_tasks.algorithms import build, hyper_parameters, source_file, validate_params
 from pfl_tasks.algorithms.federation import Federation, InlineSteps, RunState, play_rounds, run_round
 from flows.stage import prefect_api, stage_main
 from pfl_tasks.config import (
@@ -45,12 +45,14 @@ from pfl_tasks.imports import code_hash, numeric_code
 from pfl_tasks.runs import Run, RunPaths
 from pfl_tasks.tracking import (
     dvc_curve,
+    evaluation_line,
     final_metrics,
     flatten,
     learning_curve_png,
     open_store,
     per_client_rows,
     personalized_is_global,
+    pinned_run,
     plateau,
     run_tags,
     selected_index,
@@ -222,13 +224,14 @@ def prefect_steps(engine: EngineConfig):
 # ----------------------------------------------------------------------------- one run
 def run_identity(exp: ResolvedExperiment, run_name: str, raw_hp: dict, data_hash: str) -> dict:
     """What a checkpoint must share with this run to be resumed: config, data and the code that
-    can change its numbers (`pfl_tasks.imports.numeric_code`).
+    can change its numbers (`pfl_tasks.imports.numeric_code`). The hyper-parameters count in
+    canonical form: a default spelled out in params.yaml is the same run as one left out.
     `federation.rounds` is left out (a longer run continues a shorter one), and so is the
     engine (another executor or chunking computes the same numbers up to rounding; the
     platform, which decides the rounding, is checked on its own)."""
     config = {
         "experiment": exp.model_dump(mode="json", exclude={"engine", "algorithms", "hyper", "seeds"}),
-        "algorithm": raw_hp,
+        "algorithm": hyper_parameters(run_name, raw_hp, defaults=False),
         "data": data_hash,
         "code": code_hash(numeric_code(source_file(run_name, raw_hp))),
     }
@@ -272,7 +275,7 @@ def finished_outcome(exp: ResolvedExperiment, run_name: str, raw_hp: dict, root:
     except CheckpointError:
         return None
     same = (ckpt["round"] == exp.federation.rounds and ckpt.get("platform") == identity["platform"]
-            and ckpt.get("mlflow_run_id") == outcome.get("mlflow_run_id"))
+            and ckpt.get("mlflow_run_id") == pinned_run(outcome))
     return outcome if same else None
 
 
@@ -299,7 +302,8 @@ def train_run(
             state = fed.restore(ckpt["round"], ckpt["server"], ckpt["clients"])
             history, tables, spent, skipped = ckpt["history"], ckpt["tables"], ckpt["spent"], ckpt["skipped"]
             print(f"{run.label}: resuming from round {state.round}")
-        run.track(exp.name, flatten({"experiment": exp.model_dump(mode="json", exclude={"hyper"}), "algorithm": raw_hp}),
+        run.track(exp.name, flatten({"experiment": exp.model_dump(mode="json", exclude={"hyper"}),
+                                     "algorithm": hyper_parameters(run_name, raw_hp)}),
                   {**run_tags(exp, data.task, data.partition, run_name, fed.algorithm.name, fed.algorithm.citation,
                               data.manifest_hash, identity["config_hash"], flow_run_id),
                    **{f"platform.{key}": value for key, value in fed.platform.items()}, **tracking.tags})
@@ -307,7 +311,8 @@ def train_run(
 
         def snapshot() -> dict:
             return {
-                **identity, "round": state.round, "server": state.server, "clients": state.clients,
+                **identity, "round": state.round, "budget": fedcfg.rounds, "server": state.server,
+                "clients": state.clients,
                 "history": history, "tables": tables, "mlflow_run_id": run.tracker.run_id,
                 "spent": spent, "skipped": skipped, "seed": exp.seed,
             }
@@ -351,8 +356,7 @@ def train_run(
                 steps.checkpoint(paths.checkpoint, done, snapshot())
             if history and history[-1]["round"] == done:  # evaluated
                 run.log(history)
-                run.note(", ".join(f"{k}={v:.4f}" for k, v in history[-1].items()
-                                   if k.startswith("test/") and k.endswith(("acc_mean", "mse_mean"))), at=done)
+                run.note(evaluation_line(history[-1], data.task), at=done)
 
         final = {**final_metrics(history, data.task), **plateau(history, data.task),
                  "selected/personalized_is_global": float(personalized_is_global(tables["selected"]))}
@@ -453,6 +457,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("experiment")
     parser.add_argument("--params", default="params.yaml")
+    parser.add_argument("--root", default=".", help="where its data, models, metrics and sweeps are (as flows.pipeline's)")
     parser.add_argument(
         "--on-config-change", choices=["refuse", "restart", "resume"], default="refuse",
         help="what to do with a checkpoint written under another configuration",
@@ -472,9 +477,9 @@ def main(argv: list[str] | None = None) -> int:
     if sweep is not None:
         from flows.sweep import run_sweep
 
-        return stage_main("train", lambda: run_sweep(sweep))
-    return stage_main("train", lambda: train_experiment(args.experiment, args.params, ".", args.on_config_change,
-                                                        args.algorithms, args.seeds))
+        return stage_main("train", lambda: run_sweep(sweep, args.root))
+    return stage_main("train", lambda: train_experiment(args.experiment, args.params, args.root,
+                                                        args.on_config_change, args.algorithms, args.seeds))
 
 
 def as_sweep(args) -> SweepConfig | None:

@@ -28,7 +28,7 @@ from pfl_tasks.engine.evaluate import HIGHER_IS_BETTER
 from pfl_tasks.files import atomic_write, atomic_write_text
 from pfl_tasks.runs import RunPaths
 from pfl_tasks.stats import TEST_NAME, holm, mean_ci, paired_pvalue
-from pfl_tasks.tracking import PLATEAU_TOLERANCE, ComparisonError, local_artifact_dir
+from pfl_tasks.tracking import PLATEAU_TOLERANCE, ComparisonError, _sqlite_path, local_artifact_dir, pinned_run
 
 ALPHA = 0.05
 CLIENTS_TABLE = "clients_selected.csv"  # each client's metrics at the round selected on validation
@@ -49,8 +49,25 @@ def configured_runs(params, experiment: str, root: Path | None = None) -> dict[t
         for seed in exp.seeds:
             path = RunPaths.of(root, where, name, seed).metrics if root is not None else None
             record = json.loads(path.read_text()) if path is not None and path.exists() else {}
-            runs[name, seed] = record.get("mlflow_run_id")
+            runs[name, seed] = pinned_run(record)
     return runs
+
+
+def results_store(uri: str, experiments: list[str], params_path: str, every: bool = True):
+    """(MlflowClient, those of `experiments` it holds) for the store a report reads; a
+    ComparisonError that says what to run first when it holds none of them or (`every`) not all.
+    A sqlite store that is not there yet stays so (MLflow would create an empty one)."""
+    from mlflow.tracking import MlflowClient
+
+    path = _sqlite_path(uri)
+    client = MlflowClient(tracking_uri=uri) if path is None or path.exists() else None
+    held = [e for e in experiments if client is not None and client.get_experiment_by_name(e) is not None]
+    if len(held) < len(experiments) and (every or not held):
+        first = ("`dvc repro` (or `make run`)" if Path(params_path) == Path("params.yaml")
+                 else f"`python -m flows.pipeline --params {params_path}`")
+        raise ComparisonError(f"no runs of experiment(s) {[e for e in experiments if e not in held]} in {uri}: "
+                              f"run {first} first")
+    return client, held
 
 
 def collect(client, experiment: str, only: dict[tuple[str, int], str | None] | None = None) -> dict[str, dict[int, object]]:
@@ -75,7 +92,7 @@ def collect(client, experiment: str, only: dict[tuple[str, int], str | None] | N
     ids = {r.info.run_id for r in ended}
     chosen: dict[str, dict[int, object]] = {}
     for run in ended:
-        key = run.data.tags["algorithm"], int(run.data.tags["seed"])
+        key = variant(run), int(run.data.tags["seed"])
         if only is not None and key not in only:
             continue
         pinned = only[key] if only is not None else None
@@ -89,6 +106,17 @@ def collect(client, experiment: str, only: dict[tuple[str, int], str | None] | N
     if not chosen:
         raise ComparisonError(f"MLflow experiment '{experiment}' has no finished runs tagged with an algorithm")
     return chosen
+
+
+def variant(run) -> str:
+    """The run name a run was configured under (`ditto_mu1`; tag `algorithm` is its class,
+    `ditto`); runs logged before the `variant` tag carried the run name as `algorithm`."""
+    return run.data.tags.get("variant", run.data.tags["algorithm"])
+
+
+def selection_metric(metric: str) -> str:
+    """What a sweep selects on: the mean personalized validation metric at a run's selected round."""
+    return f"selected/val/personalized/{metric}_mean"
 
 
 def primary_metric(newest: dict[str, dict[int, object]]) -> str:
@@ -164,7 +192,7 @@ def method_result(client, method: str, by_seed: dict[int, object], metric: str) 
     return MethodResult(
         method, metric, list(finished), [r.info.run_id for r in runs], diverged,
         mean_ci(list(personal.values())) if personal and complete else None,
-        _mean(runs, f"selected/val/personalized/{metric}_mean"),
+        _mean(runs, selection_metric(metric)),
         mean_ci(list(shared.values())) if shared and complete else None,
         _mean(runs, f"selected/test/personalized/{metric}_worst10"),
         [int(r.data.metrics["selected/round"]) for r in runs if "selected/round" in r.data.metrics],
@@ -202,14 +230,14 @@ def summarize(client, newest: dict[str, dict[int, object]], metric: str) -> list
     return ranked + unranked
 
 
-def winner_on_validation(results: list[MethodResult]) -> str | None:
+def winner_on_validation(results: list[MethodResult]) -> MethodResult | None:
     """The ranked method with the best validation metric at its selected rounds: a sweep's
     choice, made without the test split."""
     scored = [r for r in results if r.ranked and r.val is not None]
     if not scored:
         return None
     pick = max if HIGHER_IS_BETTER[scored[0].metric] else min
-    return pick(scored, key=lambda r: r.val).method
+    return pick(scored, key=lambda r: r.val)
 
 
 # ----------------------------------------------------------------------------- formatting
@@ -220,9 +248,11 @@ def interval(value: Interval | None) -> str:
     return f"{point:.4f} [{low:.4f}, {high:.4f}]"
 
 
-def marks(result: MethodResult) -> str:
-    """≈: not significantly different from the best; †: its personalized model is the global one."""
-    return ("≈" if result.indistinguishable() else "") + ("†" if result.global_only else "")
+def marks(result: MethodResult, chosen: bool) -> str:
+    """≈: not significantly different from the best; †: its personalized model is the global one;
+    ✓: `chosen`, the best on validation (`winner_on_validation`)."""
+    return (("≈" if result.indistinguishable() else "") + ("†" if result.global_only else "")
+            + ("✓" if chosen else ""))
 
 
 def diverged_note(result: MethodResult) -> str:
@@ -239,13 +269,31 @@ def _plateau(result: MethodResult) -> str:
     return f"{sum(result.plateaued)}/{len(result.plateaued)}"
 
 
+def best_line(results: list[MethodResult]) -> str:
+    """What a console line may claim of a ranking: a best method only when it is significantly
+    better than every other, else the top group (it and every method marked ≈); and, when not
+    every run plateaued on validation, that the ranking may be premature."""
+    ranked = [r for r in results if r.ranked]
+    if not ranked:
+        return "none ranked"
+    group = [ranked[0], *(r for r in ranked[1:] if r.indistinguishable())]
+    named = ", ".join(f"{r.method} ({r.personalized[0]:.4f})" for r in group)
+    line = f"best {named}" if len(group) == 1 else f"top group (not significantly different): {named}"
+    verdicts = [reached for r in ranked for reached in r.plateaued]
+    if not all(verdicts):
+        line += f" ({sum(verdicts)} of {len(verdicts)} runs plateaued on validation: the ranking may be premature)"
+    return line
+
+
 def protocol_lines() -> list[str]:
     return [
         "Test accuracy (higher is better) or MSE (lower is better) of each client's personalized model at the "
         "round selected on the clients' validation "
         "splits; mean over clients and seeds with a 95% CI (two-level bootstrap: seeds, then clients). "
         f"≈: not significantly different from the best ({TEST_NAME}, α = {ALPHA}). "
-        "†: the \"personalized\" model is the global model. Diverged runs are listed, not ranked.",
+        "†: the \"personalized\" model is the global model. "
+        "✓: the best on validation (the same mean on the validation splits): what a sweep selects. "
+        "Diverged runs are listed, not ranked.",
     ]
 
 
@@ -260,13 +308,15 @@ def markdown(experiment: str, metric: str, results: list[MethodResult], figures:
         "evaluation's personalization). Communication: bytes up and down, the whole run. Runs: the newest "
         f"finished or diverged run of each configured method and seed in MLflow experiment `{experiment}`.",
         "",
-        "| rank | method | seeds | personalized (95% CI) | global (95% CI) | worst 10% of clients "
-        "| selected rounds | plateaued | compute | + per evaluation | communication |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| rank | method | seeds | validation | personalized, test (95% CI) | global, test (95% CI) "
+        "| worst 10% of clients | selected rounds | plateaued | compute | + per evaluation | communication |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    chosen = winner_on_validation(results)
     for i, r in enumerate((r for r in results if r.ranked), 1):
         lines.append(
-            f"| {i} | {r.method}{marks(r)} | {len(r.seeds)} | {interval(r.personalized)} | {interval(r.global_)} "
+            f"| {i} | {r.method}{marks(r, r is chosen)} | {len(r.seeds)} "
+            f"| {'–' if r.val is None else f'{r.val:.4f}'} | {interval(r.personalized)} | {interval(r.global_)} "
             f"| {'–' if r.worst10 is None else f'{r.worst10:.4f}'} | {', '.join(map(str, r.selected_rounds)) or '–'} "
             f"| {_plateau(r)} | {_count(r.grad_samples, 1e6, 'M')} | {_count(r.eval_grad_samples, 1e6, 'M')} "
             f"| {_count(r.comm_bytes, 2**20, ' MiB')} |"
@@ -290,93 +340,139 @@ def _pyplot():
     return plt
 
 
-def mean_curve(client, run_ids: list[str], key: str) -> dict[int, float]:
-    """step -> mean over seeds of a per-round metric."""
+MARKERS = "os^DvPX"  # 7 against 20 colors: no two of the first 140 methods share color and marker
+
+
+def method_styles(results: list[MethodResult]) -> dict[str, dict]:
+    """Each ranked method's line style, the same in every figure of a report: tab20's ten dark
+    colors on solid lines, then its ten light ones on dashed lines, each with its own marker."""
+    colors = _pyplot().get_cmap("tab20")
+    ranked = [r.method for r in results if r.ranked]
+    return {method: {"color": colors(2 * (i % 10) + i // 10 % 2), "linestyle": "--" if i // 10 % 2 else "-",
+                     "marker": MARKERS[i % len(MARKERS)]} for i, method in enumerate(ranked)}
+
+
+def seed_curve(client, run_ids: list[str], key: str) -> dict[int, tuple[float, float, float]]:
+    """step -> mean, min and max over seeds of a per-round metric."""
     by_step: dict[int, list[float]] = {}
     for run_id in run_ids:
         for point in client.get_metric_history(run_id, key):
             by_step.setdefault(point.step, []).append(point.value)
-    return {step: statistics.fmean(values) for step, values in sorted(by_step.items())}
+    return {step: (statistics.fmean(values), min(values), max(values)) for step, values in sorted(by_step.items())}
 
 
-def _legend(fig, plt) -> None:
-    fig.tight_layout(rect=(0, 0, 0.85, 1))
-    fig.legend(loc="center left", bbox_to_anchor=(0.85, 0.5), fontsize=8)
+def _legend(fig, styles: dict[str, dict], notes: dict[str, list[str]]) -> None:
+    """One entry per method, in rank order, right of the panels; `notes` say whose lines hide its own."""
+    from matplotlib.lines import Line2D
+
+    handles = [Line2D([], [], markersize=4, **style) for style in styles.values()]
+    labels = [f"{m} ({'; '.join(notes[m])})" if m in notes else m for m in styles]
+    fig.legend(handles, labels, loc="outside right center", fontsize=8)
 
 
-def _two_panels(path: Path, results: list[MethodResult], title: str, panels, lines, style) -> bool:
-    """One figure of two panels sharing y, a line per ranked method in each; `lines(r, panel)`
-    gives (x, y) points and `style(ax, panel)` labels a panel. Saved only if a line was drawn."""
+def _two_panels(results: list[MethodResult], title: str, panels: dict[str, str], xlabel: str, ylabel: str,
+                lines, style):
+    """One figure of two panels (key -> title) sharing y, a line per ranked method in each with
+    its seeds' min-max band; `lines(r, panel)` gives x -> (mean, min, max) over seeds and
+    `style(ax)` sets up an x axis. A line equal to one already in its panel (FedAvg's global
+    model, which is Ditto's too) is drawn once, for the method whose personalized model it is if
+    any, and the legend says so. None if no line was drawn."""
     plt = _pyplot()
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
-    colors = plt.get_cmap("tab20")
-    drawn = False
-    for i, r in enumerate(x for x in results if x.ranked):
-        for ax, panel in zip(axes, panels):
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5), sharey=True, layout="constrained")
+    styles = method_styles(results)
+    owners_first = sorted((r for r in results if r.ranked), key=lambda r: not r.global_only)
+    listed, notes = set(), {}
+    for ax, (panel, panel_title) in zip(axes, panels.items()):
+        owner_of: dict[tuple, str] = {}  # a drawn line's points -> its method
+        for r in owners_first:
             points = lines(r, panel)
-            if points:
-                ax.plot(*zip(*points), marker=".", color=colors(i % 20), label=r.method if panel == panels[0] else None)
-                drawn = True
-    for ax, panel in zip(axes, panels):
-        style(ax, panel)
+            if not points:
+                continue
+            listed.add(r.method)
+            key = tuple(points.items())
+            if key in owner_of:
+                notes.setdefault(r.method, []).append(f"{panel} = {owner_of[key]}'s")
+                continue
+            owner_of[key] = r.method
+            x = list(points)
+            mean, low, high = zip(*points.values())
+            ax.plot(x, mean, markersize=4, label=r.method, **styles[r.method])
+            if len(r.run_ids) > 1:
+                ax.fill_between(x, low, high, color=styles[r.method]["color"], alpha=0.15, linewidth=0)
+        ax.set_title(panel_title)
         ax.grid(alpha=0.3)
+        style(ax)
+    if not listed:
+        plt.close(fig)
+        return None
+    axes[0].set_ylabel(ylabel)
+    fig.supxlabel(xlabel, fontsize="medium")  # one label under both panels
     fig.suptitle(title)
-    _legend(fig, plt)
-    if drawn:
-        _save(fig, path)
-    plt.close(fig)
-    return drawn
+    _legend(fig, {m: s for m, s in styles.items() if m in listed}, notes)
+    return fig
 
 
-def curves_png(path: Path, client, results: list[MethodResult], metric: str, title: str) -> bool:
+def curves_figure(client, results: list[MethodResult], metric: str, title: str):
     """Personalized and global test metric per round, one line per ranked method."""
     def lines(r, kind):
-        return list(mean_curve(client, r.run_ids, f"test/{kind}/{metric}_mean").items())
+        return seed_curve(client, r.run_ids, f"test/{kind}/{metric}_mean")
 
-    def style(ax, kind):
-        ax.set(xlabel="round", title=f"{kind} model", ylabel=f"test {metric}, mean over clients")
+    def style(ax):
         ax.xaxis.get_major_locator().set_params(integer=True)
 
-    return _two_panels(path, results, title, ("personalized", "global"), lines, style)
+    return _two_panels(results, title, {"personalized": "personalized model", "global": "global model"},
+                       "round", f"test {metric}, mean over clients", lines, style)
 
 
-def compute_png(path: Path, client, results: list[MethodResult], metric: str, title: str) -> bool:
+def compute_figure(client, results: list[MethodResult], metric: str, title: str):
     """Personalized validation and test metric against cumulative training compute."""
-    spent_of: dict[str, dict[int, float]] = {}  # method -> its compute per round, read once for both panels
+    spent_of: dict[str, dict] = {}  # method -> its compute per round, read once for both panels
 
     def lines(r, split):
         if r.method not in spent_of:
-            spent_of[r.method] = mean_curve(client, r.run_ids, "compute/grad_samples")
+            spent_of[r.method] = seed_curve(client, r.run_ids, "compute/grad_samples")
         spent = spent_of[r.method]
-        curve = mean_curve(client, r.run_ids, f"{split}/personalized/{metric}_mean")
-        return [(spent[s], v) for s, v in curve.items() if s in spent]
+        curve = seed_curve(client, r.run_ids, f"{split}/personalized/{metric}_mean")
+        return {spent[s][0]: v for s, v in curve.items() if s in spent}
 
-    def style(ax, split):
-        ax.set(xlabel="training compute (samples × forward-backward passes)", xscale="log",
-               title={"val": "validation"}.get(split, split), ylabel=f"personalized {metric}, mean over clients")
+    def style(ax):
+        ax.set_xscale("log")
 
-    return _two_panels(path, results, title, ("val", "test"), lines, style)
+    return _two_panels(results, title, {"val": "validation", "test": "test"},
+                       "training compute (samples × forward-backward passes)",
+                       f"personalized {metric}, mean over clients", lines, style)
 
 
-def clients_png(path: Path, client, results: list[MethodResult], metric: str, title: str) -> bool:
-    """Distribution over clients (all seeds) of the selected round's personalized test metric."""
+def clients_figure(client, results: list[MethodResult], metric: str, title: str):
+    """Distribution over clients (all seeds) of the selected round's personalized test metric,
+    a box per ranked method in its color, its mean in its marker."""
     per_method = {r.method: np.concatenate(list(r.clients.values())) for r in results if r.ranked and r.clients}
     if not per_method:
-        return False
+        return None
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(max(5.0, 0.6 * len(per_method) + 2), 4))
-    ax.boxplot(list(per_method.values()), showmeans=True)
+    styles = method_styles(results)
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.6 * len(per_method) + 2), 4.5), layout="constrained")
+    boxes = ax.boxplot(list(per_method.values()), showmeans=True, patch_artist=True, medianprops={"color": "black"})
+    for box, mean, method in zip(boxes["boxes"], boxes["means"], per_method):
+        box.set(facecolor=styles[method]["color"], alpha=0.7)
+        mean.set(marker=styles[method]["marker"], markerfacecolor="white", markeredgecolor="black")
     ax.set_xticks(range(1, len(per_method) + 1), list(per_method), rotation=45, ha="right")
-    ax.set(ylabel=f"personalized test {metric} per client", title=f"{title} (clients of every seed)")
+    ax.set_ylabel(f"personalized test {metric} per client\n(the clients of every seed)")
     ax.grid(alpha=0.3, axis="y")
-    fig.tight_layout()
-    _save(fig, path)
-    plt.close(fig)
-    return True
+    fig.suptitle(title)
+    return fig
 
 
 def _save(fig, path: Path) -> None:
     atomic_write(path, lambda fh: fig.savefig(fh, dpi=100, format="png"), binary=True)
+    _pyplot().close(fig)
+
+
+FIGURES = (  # file name, builder, caption
+    ("curves", curves_figure, "learning curves"),
+    ("compute", compute_figure, "metric against compute"),
+    ("clients", clients_figure, "per-client distribution"),
+)
 
 
 def write_report(client, experiment: str, report_dir: Path, figure_dir: Path,
@@ -386,13 +482,11 @@ def write_report(client, experiment: str, report_dir: Path, figure_dir: Path,
     metric = primary_metric(newest)
     results = summarize(client, newest, metric)
     figures = {}
-    for name, draw, caption in (
-        ("curves", curves_png, "learning curves"),
-        ("compute", compute_png, "metric against compute"),
-        ("clients", clients_png, "per-client distribution"),
-    ):
-        png = figure_dir / f"{experiment}-{name}.png"
-        if draw(png, client, results, metric, f"{experiment}: {caption}"):
+    for name, build, caption in FIGURES:
+        fig = build(client, results, metric, f"{experiment}: {caption}")
+        if fig is not None:
+            png = figure_dir / f"{experiment}-{name}.png"
+            _save(fig, png)
             figures[caption] = Path(os.path.relpath(png, report_dir)).as_posix()
     atomic_write_text(report_dir / f"{experiment}.md", markdown(experiment, metric, results, figures))
     return results

@@ -36,7 +36,7 @@ from pathlib import Path
 from pfl_tasks.config import TrackingConfig
 from pfl_tasks.engine.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from pfl_tasks.files import OutputLock, remove_stale_temporaries
-from pfl_tasks.tracking import MlflowRun, TrackingError, flatten, headline, progress, write_dvc_outputs
+from pfl_tasks.tracking import MlflowRun, TrackingError, flatten, headline, pin, progress, write_dvc_outputs
 
 
 CONSOLE = "PFL_CONSOLE"  # "runs": a line per finished run instead of one per evaluation
@@ -172,11 +172,16 @@ class Run:
     # ------------------------------------------------------------------------- during the run
     def track(self, experiment: str, params: dict[str, str], tags: dict[str, str]) -> None:
         """Open (or resume) the MLflow run, tagged from its creation with this output and
-        process; fail the RUNNING runs of this output whose process on this host is dead; and
-        find the last record MLflow already holds (a killed run may have logged past its
+        process (a checkpoint written under another `budget` continues as a new run, with its
+        history: each budget's numbers stay in their own run); fail the RUNNING runs of this
+        output whose process on this host is dead; and find the last record MLflow already holds (a killed run may have logged past its
         checkpoint), so that `log` sends each once. A record's last key is logged last."""
         run_id = self.resumed.get("mlflow_run_id") if self.resumed else None
-        key = {"experiment": self.identity["experiment"], "algorithm": self.identity["algorithm"],
+        if run_id and self.resumed.get("budget", self.total) != self.total:
+            print(f"{self.label}: continuing the {self.resumed['budget']}-{self.unit} run (MLflow run {run_id}, "
+                  f"which keeps its numbers) to {self.total} {self.unit}s as a new MLflow run")
+            run_id = None
+        key = {"experiment": self.identity["experiment"], "variant": self.identity["algorithm"],
                "seed": str(self.seed), "host": socket.gethostname()}
         self.tracker = MlflowRun(self.tracking.mlflow_uri, experiment, f"{self.identity['algorithm']}-seed{self.seed}",
                                  run_id, self.tracking.retry_seconds, tags={**key, "pid": str(os.getpid())})
@@ -231,11 +236,11 @@ class Run:
             self.logged_through = max(self.logged_through, history[-1][self.unit])
 
     def finish(self, final: dict[str, float], curve: list[dict], artifacts: Callable[[Path], None]) -> None:
-        """DVC metrics (the `headline` of `final`, and the MLflow run's id: what reports read
+        """DVC metrics (the `headline` of `final`, pinned to the MLflow run: what reports read
         for this output) and curve, every final metric and `artifacts(dir)`'s files to MLflow,
         FINISHED."""
         write_dvc_outputs(self.paths.metrics, self.paths.curve,
-                          {"status": "finished", "mlflow_run_id": self.tracker.run_id, **headline(final)}, curve)
+                          {"status": "finished", **headline(final), **pin(self.tracker.run_id)}, curve)
         self.tracker.log_metrics(final, step=self.total)
         with tempfile.TemporaryDirectory() as tmp:
             artifacts(Path(tmp))
@@ -249,7 +254,7 @@ class Run:
         """A NaN or infinity in the state at step `at`: a failed run, never a result. The DVC
         metrics say so (`status: diverged`), MLflow marks the run FAILED with the step and reason
         (tag `diverged_at`), and the last checkpoint stays, from before the divergence."""
-        record = {"status": "diverged", self.unit: at, "reason": reason, "mlflow_run_id": self.tracker.run_id}
+        record = {"status": "diverged", "diverged_at": at, "reason": reason, **pin(self.tracker.run_id)}
         write_dvc_outputs(self.paths.metrics, self.paths.curve, record, curve)
         self.tracker.set_tag("diverged_at", str(at))
         self.tracker.finish("FAILED", f"diverged at {self.unit} {at}: {reason}")

@@ -169,6 +169,16 @@ def tracking(**options):
     return TrackingConfig(**{"mlflow_uri": mlflow_uri(), **options})
 
 
+def ranked_result(method: str, test: float, val: float | None = None, p_vs_best: float | None = None,
+                  plateaued=(True, True)):
+    """A ranked method of a comparison (two seeds), as `pfl_tasks.reports.summarize` makes one."""
+    from pfl_tasks.reports import MethodResult
+
+    return MethodResult(method, "acc", [0, 1], ["r0", "r1"], [], (test, test - 0.01, test + 0.01),
+                        test if val is None else val, None, None, [2, 2], list(plateaued), None, None, None, False,
+                        {}, {}, p_vs_best)
+
+
 @pytest.fixture(scope="session")
 def prefect_harness():
     """A temporary Prefect server and database for the whole session (it starts in seconds)."""
@@ -285,3 +295,14 @@ def background_server(args: list[str], health_url: str, log_path, env=None, time
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def listing_defaults(data: dict) -> dict:
+    """`data` with every configured run's hyper-parameters listed under `algorithms`, as
+    `flows.stages` requires of a params file that DVC runs."""
+    from flows.stages import unlisted_defaults
+    from pfl_tasks.algorithms import validate_params
+
+    for run, keys in unlisted_defaults(validate_params(parse_params(data)), data).items():
+        data.setdefault("algorithms", {}).setdefault(run, {}).update(keys)
+    return data

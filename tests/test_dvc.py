@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import mlflow_uri, tiny_params
+from conftest import listing_defaults, mlflow_uri, tiny_params
 from flows.stages import dvc_yaml
 
 pytestmark = pytest.mark.slow
@@ -47,7 +47,9 @@ def repo_copy(tmp_path_factory):
     data["federation"]["rounds"] = 2
     data["learn2pfed"] = {"tiny": {"features_from": "fedavg", "cells": 2, "meta": {"epochs": 4}}}
     data["tables"] = {"tiny": {"experiments": ["tiny"]}}
-    (dst / "params.yaml").write_text(yaml.safe_dump(data))
+    data["experiments"]["tiny"]["algorithms"] = ["local", "fedavg", "fedprox", "ditto"]
+    data["experiments"]["other"] = {"dataset": "digits", "model": {"kind": "linear"}, "algorithms": ["fedavg"]}
+    (dst / "params.yaml").write_text(yaml.safe_dump(listing_defaults(data)))
     (dst / "dvc.yaml").write_text(dvc_yaml(str(dst / "params.yaml")))  # as make run writes it
     env = {
         **os.environ,
@@ -68,24 +70,30 @@ def test_dvc_repro_runs_caches_and_reruns_only_what_changed(repo_copy):
     out = sh([*dvc, "repro"], root, env)
     assert "Running stage 'prepare-digits'" in out and "Running stage 'train-tiny'" in out
     assert (root / "data/partitions/digits/seed-0/manifest.json").exists()
-    for alg in ("local", "fedavg", "fedprox"):
+    for alg in ("local", "fedavg", "fedprox", "ditto"):
         assert (root / f"models/tiny/{alg}/seed-0/checkpoint.pt").exists()
         final = json.loads((root / f"metrics/tiny/{alg}/seed-0.json").read_text())
-        assert final["status"] == "finished" and final["final/round"] == 2
-        assert 0 <= final["selected/test/personalized/acc_mean"] <= 1 and final["selected/round"] in (1, 2)
-        assert len(final) <= 14  # the headline: every summary is in MLflow
+        assert final["status"] == "finished" and final["round"] in (1, 2) and 0 <= final["test_acc"] <= 1
+        assert set(final) <= {"status", "round", "val_acc", "test_acc", "global_acc", "worst10_acc", "plateau",
+                              "mlflow_run"}  # the headline: every summary is in MLflow
         header = (root / f"plots/tiny/{alg}/seed-0.csv").read_text().splitlines()[0]
-        assert header == "round,val/personalized,test/personalized,test/global"  # what the plot's y names
+        assert header == "round,val/personalized,test/personalized,test/global"
     for supervision in ("train", "val"):
         final = json.loads((root / f"metrics/learn2pfed/tiny/learn2pfed-{supervision}/seed-0.json").read_text())
-        assert 0 <= final["selected/test/personalized/acc_mean"] <= 1
+        assert 0 <= final["test_acc"] <= 1
     assert "| learn2pfed-val |" in (root / "reports/markdown/tiny.md").read_text()
     report = (root / "reports/compare/tiny.md").read_text()
     assert "| learn2pfed-val" in report
     assert "†" in next(line for line in report.splitlines() if "| fedavg" in line)  # its model is the global one
     assert (root / "reports/figures/tiny-curves.png").exists()
-    shown = sh([*dvc, "metrics", "show", "--json"], root, env)
-    assert "selected/test/personalized/acc_mean" in shown
+    # DVC's views fit a terminal (the run pin, a list, is not a column), and `dvc plots show`
+    # renders offline: image plots only, no Vega scripts from a CDN
+    shown = sh([*dvc, "metrics", "show", "--md", "metrics/tiny"], root, env)
+    assert "test_acc" in shown and "mlflow_run" not in shown and max(map(len, shown.splitlines())) <= 120
+    sh([*dvc, "plots", "show", "-o", "dvc_plots"], root, env)
+    page = (root / "dvc_plots/index.html").read_text()
+    assert "<img" in page and "<script" not in page
+    shutil.rmtree(root / "dvc_plots")
 
     out = sh([*dvc, "repro"], root, env)
     assert "Running stage" not in out
@@ -98,30 +106,39 @@ def test_dvc_repro_runs_caches_and_reruns_only_what_changed(repo_copy):
     assert "train-tiny" not in status and "learn2pfed-tiny" not in status and "compare" in status
     out = sh([*dvc, "repro"], root, env)
     assert ran(out) == {"tables", "compare"}
-    runs = {alg: json.loads((root / f"metrics/tiny/{alg}/seed-0.json").read_text())["mlflow_run_id"]
-            for alg in ("local", "fedavg", "fedprox")}
+    runs = {alg: pinned(root, alg) for alg in ("local", "fedavg", "fedprox", "ditto")}
     fedprox = root / "pfl_tasks/algorithms/fedprox.py"
     fedprox.write_text(fedprox.read_text() + "# an edit\n")
     out = sh([*dvc, "repro"], root, env)
     assert ran(out) == {"train-tiny", "tables", "compare"}
-    assert "tiny: 2 of 3 runs already finished under the same config, data and code: kept" in out
-    after = {alg: json.loads((root / f"metrics/tiny/{alg}/seed-0.json").read_text())["mlflow_run_id"]
-             for alg in ("local", "fedavg", "fedprox")}
+    assert "tiny: 3 of 4 runs already finished under the same config, data and code: kept" in out
+    after = {alg: pinned(root, alg) for alg in runs}
     assert [alg for alg in runs if after[alg] != runs[alg]] == ["fedprox"]
 
     params = yaml.safe_load((root / "params.yaml").read_text())
     params["federation"]["rounds"] = 3
     (root / "params.yaml").write_text(yaml.safe_dump(params))
     out = sh([*dvc, "repro"], root, env)
-    assert ran(out) == {"train-tiny", "learn2pfed-tiny", "tables", "compare"}  # not prepare-digits
-    assert json.loads((root / "metrics/tiny/fedavg/seed-0.json").read_text())["final/round"] == 3
+    assert ran(out) == {"train-tiny", "train-other", "learn2pfed-tiny", "tables", "compare"}  # not prepare
+    assert final_round(root, "fedavg") == 3
+
+
+def pinned(root: Path, alg: str, experiment: str = "tiny") -> str:
+    """The MLflow run a run's DVC metrics file names."""
+    return json.loads((root / f"metrics/{experiment}/{alg}/seed-0.json").read_text())["mlflow_run"][0]
+
+
+def final_round(root: Path, alg: str) -> int:
+    from mlflow.tracking import MlflowClient
+
+    return int(MlflowClient(mlflow_uri()).get_run(pinned(root, alg)).data.metrics["final/round"])
 
 
 def test_dvc_exp_run_with_set_param(repo_copy):
     root, env = repo_copy
     sh(["git", "add", "-A"], root, env)
     sh(["git", "commit", "-qm", "after repro", "--allow-empty"], root, env)
-    out = sh([sys.executable, "-m", "dvc", "exp", "run", "-S", "federation.rounds=4"], root, env)
+    out = sh([sys.executable, "-m", "dvc", "exp", "run", "-n", "rounds4", "-S", "federation.rounds=4"], root, env)
     assert "Running stage 'train-tiny'" in out
     shown = sh([sys.executable, "-m", "dvc", "exp", "show", "--json"], root, env)
     assert "federation.rounds" in shown or '"rounds": 4' in shown
@@ -131,6 +148,45 @@ def test_dvc_exp_run_with_set_param(repo_copy):
     tagged = client.search_runs([client.get_experiment_by_name("tiny").experiment_id],
                                 "tags.dvc_experiment != 'workspace'")
     assert tagged and all(r.data.tags["dvc_experiment"] in shown for r in tagged)
+
+
+def test_dvc_exp_run_S_changes_a_default_hyper_parameter_and_reruns_only_its_runs(repo_copy):
+    """params.yaml lists every configured run's defaults: `-S algorithms.ditto.mu=...` needs no
+    `+`, reruns the train stage of the experiment running Ditto (not `other`'s), and in it
+    retrains Ditto alone."""
+    root, env = repo_copy
+    dvc = [sys.executable, "-m", "dvc"]
+    before = {alg: pinned(root, alg) for alg in ("local", "fedavg", "fedprox", "ditto")}
+    scores = []
+    for mu in ("0.01", "1.0"):
+        out = sh([*dvc, "exp", "run", "-n", f"mu{mu}", "-S", f"algorithms.ditto.mu={mu}"], root, env)
+        assert ran(out) == {"train-tiny", "tables", "compare"}
+        assert "tiny: 3 of 4 runs already finished under the same config, data and code: kept" in out
+        assert {alg for alg, run in before.items() if pinned(root, alg) != run} == {"ditto"}
+        scores.append(json.loads((root / "metrics/tiny/ditto/seed-0.json").read_text())["val_acc"])
+    assert scores[0] != scores[1]
+
+
+def test_dvc_exp_apply_then_compare_reports_that_experiments_numbers(repo_copy):
+    """A 5-round experiment continues the 4-round one's checkpoints as new MLflow runs: after
+    `dvc exp apply` of either, `compare` reports its own numbers."""
+    root, env = repo_copy
+    dvc = [sys.executable, "-m", "dvc"]
+    sh([*dvc, "exp", "apply", "rounds4"], root, env)
+    out = sh([*dvc, "exp", "run", "-n", "rounds5", "-S", "federation.rounds=5"], root, env)
+    assert "continuing the 4-round run" in out
+    for name, rounds in (("rounds4", 4), ("rounds5", 5), ("rounds4", 4)):
+        sh([*dvc, "exp", "apply", name], root, env)
+        assert final_round(root, "fedavg") == rounds
+        sh([sys.executable, "-m", "flows.compare", "tiny"], root, env)
+        test_acc = json.loads((root / "metrics/tiny/fedavg/seed-0.json").read_text())["test_acc"]
+        row = next(line for line in (root / "reports/compare/tiny.md").read_text().splitlines() if "| fedavg" in line)
+        assert f"{test_acc:.4f}" in row, (name, test_acc, row)
+    # the README's `dvc exp show`: experiments x the params varied x methods' means, in a terminal
+    shown = sh([*dvc, "exp", "show", "--md", "--drop", ".*", "--keep",
+                r"Experiment|algorithms.ditto.mu|federation.rounds|tiny\.(ditto|fedavg)$"], root, env)
+    assert {"rounds4", "rounds5", "mu0.01", "tiny.ditto"} <= set(re.findall(r"[\w.]+", shown))
+    assert max(map(len, shown.splitlines())) <= 120
 
 
 def test_repro_flow_streams_dvc_repro_and_fails_loudly(repo_copy, prefect_harness, monkeypatch):

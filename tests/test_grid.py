@@ -2,10 +2,12 @@
 --set key=v1,v2`: the override parser, the grid's params, errors before anything starts, and
 a grid run end to end under one MLflow parent run."""
 
+import re
+
 import pytest
 import yaml
 
-from conftest import mlflow_uri, tiny_params
+from conftest import mlflow_uri, ranked_result, tiny_params
 from pfl_tasks.algorithms import validate_params
 from pfl_tasks.config import ConfigError, SweepConfig, parse_assignment, parse_params
 
@@ -73,7 +75,7 @@ def test_command_line_errors_come_before_anything_starts(tmp_path, monkeypatch, 
     import flows.train
 
     started = []
-    monkeypatch.setattr(flows.sweep, "run_sweep", lambda sweep: started.append(sweep))
+    monkeypatch.setattr(flows.sweep, "run_sweep", lambda sweep, root: started.append((sweep.name, root)))
     monkeypatch.setattr(flows.train, "train_experiment", lambda *a: started.append(a))
     path = write_params(tmp_path)
     for args, message in ((["--set", "algorithms.fedprox.muu=1"], "algorithms.fedprox_muu1.muu: Extra inputs"),
@@ -86,6 +88,53 @@ def test_command_line_errors_come_before_anything_starts(tmp_path, monkeypatch, 
     assert started == []
     assert flows.train.main(["tiny", "--params", path, "--algorithms", "fedavg", "--seeds", "0"]) == 0
     assert started == [("tiny", path, ".", "refuse", ["fedavg"], [0])]  # configured runs: in place, no sweep
+    # --root: another params file's runs and grids write beside its outputs
+    assert flows.train.main(["tiny", "--params", path, "--root", "runs/x", "--algorithms", "fedavg"]) == 0
+    assert flows.train.main(["tiny", "--params", path, "--root", "runs/x", "--set", "algorithms.fedprox.mu=1,2"]) == 0
+    assert started[1:] == [("tiny", path, "runs/x", "refuse", ["fedavg"], None), ("mu", "runs/x")]
+
+
+def test_a_grids_parent_run_holds_the_grid_and_the_choice_on_validation(tmp_path, monkeypatch):
+    """The sweep's parent run (its training stubbed): params `grid.<key>`, tag `winner` (the
+    best on validation, not on test), tag `selection_metric` and the winner's value of it; the
+    training runs it hands its tags get them."""
+    import contextlib
+    import uuid
+
+    from mlflow.tracking import MlflowClient
+
+    import flows.sweep
+
+    name = f"mu{uuid.uuid4().hex[:6]}"
+    sweep = SweepConfig(name=name, experiment="tiny", algorithms=["ditto_v0.5"],
+                        grid={"algorithms.ditto_v0.5.mu": [0.1, 1]}, params_path=write_params(tmp_path))
+    on_test = ranked_result("ditto_v0.5_mu1", 0.95, val=0.90)
+    on_validation = ranked_result("ditto_v0.5_mu0.1", 0.94, val=0.93)
+    handed = []
+
+    def trained(child_sweep, root):
+        handed.append(child_sweep.tags)
+        return {sweep.experiment_name: {"ranking": [on_test, on_validation], "winner_on_validation": on_validation}}
+
+    monkeypatch.setattr(flows.sweep, "sweep_flow", trained)
+    monkeypatch.setattr(flows.sweep, "prefect_api", contextlib.nullcontext)
+    flows.sweep.run_sweep(sweep)
+    client = MlflowClient(mlflow_uri())
+    (parent,) = client.search_runs([client.get_experiment_by_name(sweep.experiment_name).experiment_id],
+                                   f"tags.sweep = '{name}'")
+    assert handed == [{"mlflow.parentRunId": parent.info.run_id, "sweep": name}]
+    assert parent.info.status == "FINISHED" and parent.data.params == {"grid.algorithms.ditto_v0.5.mu": "[0.1, 1]"}
+    assert parent.data.tags["winner"] == "ditto_v0.5_mu0.1"
+    assert parent.data.tags["selection_metric"] == "selected/val/personalized/acc_mean"
+    assert parent.data.metrics == {"selected/val/personalized/acc_mean": pytest.approx(0.93)}
+
+
+def test_a_variants_runs_are_tagged_with_its_algorithm_and_its_run_name():
+    from pfl_tasks.tracking import run_tags
+
+    exp = parse_params(tiny_params()).experiment("tiny")
+    tags = run_tags(exp, "classification", "p", "ditto_mu1", "ditto", "Li et al., ICML 2021", "d", "h", "f")
+    assert tags["algorithm"] == "ditto" and tags["variant"] == "ditto_mu1"
 
 
 @pytest.mark.slow
@@ -103,7 +152,13 @@ def test_a_grid_runs_under_one_mlflow_parent_run_with_one_table(project, prefect
     parents = [r for r in runs if r.info.run_name == "sweep-mu"]
     children = [r for r in runs if r.info.run_name != "sweep-mu"]
     assert len(parents) == 1 and {r.info.status for r in runs} == {"FINISHED"}
-    assert sorted(r.data.tags["algorithm"] for r in children) == ["ditto_v0.5_mu0.1", "ditto_v0.5_mu1", "fedavg"]
+    assert sorted(r.data.tags["variant"] for r in children) == ["ditto_v0.5_mu0.1", "ditto_v0.5_mu1", "fedavg"]
+    assert sorted(r.data.tags["algorithm"] for r in children) == ["ditto", "ditto", "fedavg"]
+    assert sorted(r.data.params.get("algorithm.mu") for r in children if r.data.tags["algorithm"] == "ditto") == [
+        "0.1", "1.0"]  # `mu=0.1,1` read 1 as an int: logged as the float it is
     assert {r.data.tags["mlflow.parentRunId"] for r in children} == {parents[0].info.run_id}
+    assert parents[0].data.tags["winner"] in ("ditto_v0.5_mu0.1", "ditto_v0.5_mu1", "fedavg")
+    assert parents[0].data.params == {"grid.algorithms.ditto_v0.5.mu": "[0.1, 1]"}
     report = (project / "sweeps" / "mu" / "reports" / "compare" / "tiny-mu.md").read_text()
     assert all(f"| {name}" in report for name in ("ditto_v0.5_mu0.1", "ditto_v0.5_mu1", "fedavg"))
+    assert re.search(rf"\| {re.escape(parents[0].data.tags['winner'])}[≈†]*✓ \|", report)  # the choice, marked

@@ -412,7 +412,7 @@ def test_a_run_left_running_by_a_dead_process_is_marked_failed_a_live_ones_not(p
     dead = subprocess.Popen(["true"])  # a PID that no longer runs
     dead.wait()
     alive = subprocess.Popen(["sleep", "60"])
-    key = {"experiment": "tiny", "algorithm": "fedprox", "seed": "0", "host": socket.gethostname()}
+    key = {"experiment": "tiny", "variant": "fedprox", "seed": "0", "host": socket.gethostname()}
     orphans = [MlflowRun(mlflow_uri(), "tiny", "fedprox-seed0", None, tags={**key, "pid": str(pid)})
                for pid in (dead.pid, os.getpid())]  # an earlier attempt in this very process is over too
     live = MlflowRun(mlflow_uri(), "tiny", "fedprox-seed0", None, tags={**key, "pid": str(alive.pid)})

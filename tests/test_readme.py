@@ -20,20 +20,28 @@ def documented_filters() -> list[str]:
     return [line for line in block.group(1).splitlines() if line.strip()]
 
 
+# run name, its entry under `algorithms` (`mu: 1` an int, as YAML and `--set mu=0.1,1` read it), test accuracy
+RUNS = (("fedavg", {}, 0.7), ("fedprox", {"mu": 0.1}, 0.75), ("ditto", {}, 0.9),
+        ("ditto_mu1", {"algorithm": "ditto", "mu": 1}, 0.85))
+
+
 @pytest.fixture(scope="module")
 def store(tmp_path_factory) -> str:
-    """Three finished runs of `mnist`, tagged and logged as the training flow does."""
-    from mlflow.tracking import MlflowClient
+    """Finished runs of `mnist`, one a grid's variant, tagged and with params logged by the
+    training flow's code."""
+    from conftest import tiny_params
+    from pfl_tasks.algorithms import build, hyper_parameters
+    from pfl_tasks.config import parse_params
+    from pfl_tasks.tracking import MlflowRun, flatten, run_tags
 
     uri = f"sqlite:///{tmp_path_factory.mktemp('mlflow')}/mlflow.db"
-    client = MlflowClient(uri)
-    experiment = client.create_experiment("mnist")
-    for algorithm, mu, acc in (("fedavg", None, 0.7), ("fedprox", "0.1", 0.75), ("ditto", "0.1", 0.9)):
-        run = client.create_run(experiment, tags={"algorithm": algorithm, "seed": "0", "experiment": "mnist"})
-        if mu is not None:
-            client.log_param(run.info.run_id, "algorithm.mu", mu)
-        client.log_metric(run.info.run_id, "selected/test/personalized/acc_mean", acc)
-        client.set_terminated(run.info.run_id)
+    exp = parse_params(tiny_params()).experiment("tiny").model_copy(update={"name": "mnist"})
+    for run_name, raw, acc in RUNS:
+        run = MlflowRun(uri, "mnist", f"{run_name}-seed0", None)
+        tags = run_tags(exp, "classification", "p", run_name, build(run_name, raw).name, "c", "d", "h", "")
+        run.log_params_and_tags(flatten({"algorithm": hyper_parameters(run_name, raw)}), tags)
+        run.log_metrics({"selected/test/personalized/acc_mean": acc}, step=0)
+        run.finish()
     return uri
 
 
@@ -47,6 +55,20 @@ def test_documented_filter_is_accepted_and_selects_runs(store, filter_string, mo
     assert len(runs) > 0
 
 
+@pytest.mark.parametrize("filter_string, selected", [
+    ("tags.algorithm = 'ditto'", ["ditto-seed0", "ditto_mu1-seed0"]),  # a grid's variants too
+    ("tags.variant = 'ditto_mu1'", ["ditto_mu1-seed0"]),
+    ("params.\"algorithm.mu\" = '1.0'", ["ditto_mu1-seed0"]),  # params.yaml's int 1, logged as a float
+    ("params.\"algorithm.mu\" = '0.1'", ["ditto-seed0", "fedprox-seed0"]),  # ditto's default, logged too
+])
+def test_filters_select_by_algorithm_variant_and_canonical_params(store, filter_string, selected, monkeypatch):
+    import mlflow
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
+    runs = mlflow.search_runs(experiment_names=["mnist"], filter_string=filter_string)
+    assert sorted(runs["tags.mlflow.runName"]) == selected
+
+
 def test_documented_cli_reads_the_tracking_uri(store):
     env = {**os.environ, "MLFLOW_TRACKING_URI": store}
     mlflow = [sys.executable, "-m", "mlflow"]
@@ -55,7 +77,8 @@ def test_documented_cli_reads_the_tracking_uri(store):
     experiment_id = re.search(r"^\s*(\d+)\s+mnist", found.stdout, re.M).group(1)
     runs = subprocess.run([*mlflow, "runs", "list", "--experiment-id", experiment_id], env=env,
                           capture_output=True, text=True, check=True)
-    assert len([line for line in runs.stdout.splitlines() if "FINISHED" in line or re.search(r"[0-9a-f]{32}", line)]) == 3
+    listed = [line for line in runs.stdout.splitlines() if "FINISHED" in line or re.search(r"[0-9a-f]{32}", line)]
+    assert len(listed) == len(RUNS)
 
 
 def test_worked_example_of_an_algorithm_registers_and_does_its_job(digits6):

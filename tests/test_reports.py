@@ -6,18 +6,22 @@ import os
 import sys
 import time
 import uuid
+from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import yaml
-from conftest import background_server, free_port, mlflow_uri, tiny_params
+from conftest import background_server, free_port, mlflow_uri, ranked_result, tiny_params
 
 from flows.tables import build_table, markdown
 from pfl_tasks.config import parse_params
-from pfl_tasks.reports import ComparisonError, collect, summarize, winner_on_validation, write_report
+from pfl_tasks.reports import (
+    ComparisonError, best_line, collect, summarize, variant, winner_on_validation, write_report,
+)
 from pfl_tasks.stats import mean_ci
-from pfl_tasks.tracking import MlflowRun, write_csv
+from pfl_tasks.tracking import MlflowRun, pin, write_csv
 
 
 def log_run(tmp, experiment, algorithm, seed, clients, global_clients=None, status="FINISHED",
@@ -25,12 +29,17 @@ def log_run(tmp, experiment, algorithm, seed, clients, global_clients=None, stat
     """A run as training logs one: per-round records, final metrics and the selected round's
     per-client table; seed s trained on partition `part-s` unless `partition` says otherwise."""
     run = MlflowRun(mlflow_uri(), experiment, f"{algorithm}-seed{seed}", None)
-    run.log_params_and_tags({}, {"algorithm": algorithm, "seed": str(seed), "data_hash": partition or f"part-{seed}",
+    run.log_params_and_tags({}, {"algorithm": algorithm.split("_")[0], "variant": algorithm, "seed": str(seed),
+                                 "data_hash": partition or f"part-{seed}",
                                  "task": "classification" if metric == "acc" else "regression"})
     mean = float(np.mean(clients)) if clients else 0.0
-    for step, value in ((1, mean / 2), (2, mean)):
-        run.log_metrics({f"test/personalized/{metric}_mean": value, f"val/personalized/{metric}_mean": value,
-                         "compute/grad_samples": 100 * step}, step=step)
+    for step in (1, 2):
+        value = mean * step / 2
+        curve = {f"test/personalized/{metric}_mean": value, f"val/personalized/{metric}_mean": value,
+                 "compute/grad_samples": 100 * step}
+        if global_clients:
+            curve[f"test/global/{metric}_mean"] = float(np.mean(global_clients)) * step / 2
+        run.log_metrics(curve, step=step)
     if diverged_at is not None:
         run.set_tag("diverged_at", str(diverged_at))
         run.finish("FAILED", f"diverged at round {diverged_at}")
@@ -94,10 +103,13 @@ def test_both_reports_count_the_same_runs_with_cis_marks_and_diverged_runs(tmp_p
     assert b.indistinguishable() and not c.indistinguishable() and a.p_vs_best is None
     assert c.global_only and not a.global_only and not b.global_only
     assert not d.ranked and d.diverged == [(1, 7)]
-    assert winner_on_validation(results) == "b"  # what a sweep picks: never the test ranking
+    assert winner_on_validation(results) is b  # what a sweep picks: never the test ranking
 
     report = (tmp_path / "reports" / f"{experiment}.md").read_text()
-    assert "| 1 | a | 2 |" in report and "| 2 | b≈ | 2 |" in report and "| 3 | c† | 2 |" in report
+    # validation beside test, ✓ on the choice on validation
+    assert "| seeds | validation | personalized, test (95% CI) |" in report
+    assert f"| 1 | a | 2 | {a.val:.4f} | {a.personalized[0]:.4f} [" in report
+    assert "| 2 | b≈✓ | 2 | 0.9900 |" in report and "| 3 | c† | 2 |" in report
     assert "- d: diverged at round 7 (seed 1)" in report and "renamed" not in report
     for name in ("curves", "compute", "clients"):
         png = tmp_path / "figures" / f"{experiment}-{name}.png"
@@ -108,11 +120,30 @@ def test_both_reports_count_the_same_runs_with_cis_marks_and_diverged_runs(tmp_p
     for r in (a, b, c):
         got = rows[r.method][experiment]
         assert (got["mean"], got["ci_low"], got["ci_high"]) == pytest.approx(r.personalized)
-        assert got["seeds"] == 2 and got["marks"] == {"a": "", "b": "≈", "c": "†"}[r.method]
+        assert got["seeds"] == 2 and got["marks"] == {"a": "", "b": "≈✓", "c": "†"}[r.method]
+        assert got["best_on_validation"] == (r is b)
     assert rows["d"][experiment] == {"metric": "acc", "status": "diverged at round 7 (seed 1)"}
     text = markdown("t", rows, [experiment])
     assert "| d | diverged at round 7 (seed 1) |" in text
     json.dumps(rows, allow_nan=False)  # the DVC metrics file is strict JSON
+
+
+def test_a_best_line_names_the_top_group_unless_the_best_is_significant_and_says_when_runs_did_not_plateau():
+    best, close = ranked_result("ditto", 0.9455), ranked_result("local", 0.9401, p_vs_best=0.3)
+    far = ranked_result("fedavg", 0.90, p_vs_best=0.001)
+    assert best_line([best, far]) == "best ditto (0.9455)"
+    assert best_line([best, close, far]) == "top group (not significantly different): ditto (0.9455), local (0.9401)"
+    assert best_line([best, replace(far, plateaued=[False, False])]) == (
+        "best ditto (0.9455) (2 of 4 runs plateaued on validation: the ranking may be premature)")
+    assert best_line([]) == "none ranked"
+
+
+def test_runs_are_told_apart_by_variant_and_older_runs_by_algorithm():
+    def run(tags):
+        return SimpleNamespace(data=SimpleNamespace(tags=tags))
+
+    assert variant(run({"algorithm": "ditto", "variant": "ditto_mu1"})) == "ditto_mu1"
+    assert variant(run({"algorithm": "ditto_mu1"})) == "ditto_mu1"  # logged before the `variant` tag
 
 
 def test_seeds_on_one_partition_count_each_client_once(tmp_path):
@@ -148,7 +179,7 @@ def test_the_run_the_workspace_holds_counts_not_the_newest(tmp_path):
         "selected/test/personalized/acc_mean"] == pytest.approx(0.1)
     path = RunPaths.of(tmp_path, experiment, "a", 0).metrics
     path.parent.mkdir(parents=True)
-    path.write_text(json.dumps({"status": "finished", "mlflow_run_id": applied}))
+    path.write_text(json.dumps({"status": "finished", **pin(applied)}))
     only = configured_runs(params, experiment, tmp_path)
     assert only == {("a", 0): applied}
     assert collect(client, experiment, only)["a"][0].info.run_id == applied
@@ -209,6 +240,68 @@ def test_regression_ranks_lowest_mse_first_and_missing_experiment_is_named(tmp_p
     assert [r.method for r in summarize(client, collect(client, experiment), "mse")] == ["better", "worse"]
     with pytest.raises(ComparisonError, match="no experiment 'nowhere'"):
         write_report(client, "nowhere", tmp_path, tmp_path)
+
+
+def drawn_texts(fig) -> list:
+    """Every text a draw of `fig` shows: the visible non-empty ones but labels of ticks out of view."""
+    from matplotlib.text import Text
+
+    fig.canvas.draw()
+    off_view = set()
+    for ax in fig.axes:
+        for axis, limits in ((ax.xaxis, ax.get_xlim()), (ax.yaxis, ax.get_ylim())):
+            low, high = sorted(limits)
+            off_view |= {t.label1 for t in axis.get_major_ticks() + axis.get_minor_ticks() if not low <= t.get_loc() <= high}
+    return [t for t in fig.findobj(Text) if t.get_visible() and t.get_text() and t not in off_view]
+
+
+def test_figures_fit_their_text_band_the_seeds_and_draw_a_shared_global_curve_once(tmp_path):
+    """Each figure of a report: its texts inside it and apart, a min-max band per method of more
+    than one seed, a method's colors the same in every figure and distinct from the others', and
+    a global curve that another method's hides listed once, under the method that draws it."""
+    from matplotlib.collections import PolyCollection
+    from matplotlib.colors import to_rgb
+    from mlflow.tracking import MlflowClient
+
+    from pfl_tasks.reports import FIGURES
+
+    experiment = f"figs-{uuid.uuid4().hex[:8]}"
+    rng = np.random.default_rng(1)
+    for seed in (0, 1):
+        fedavg = list(rng.uniform(0.4, 0.6, 5))
+        log_run(tmp_path, experiment, "fedavg", seed, fedavg, global_clients=fedavg)  # its global model is personal
+        log_run(tmp_path, experiment, "ditto", seed, list(rng.uniform(0.7, 0.9, 5)), global_clients=fedavg)
+        log_run(tmp_path, experiment, "local", seed, list(rng.uniform(0.5, 0.8, 5)))  # no global model
+    log_run(tmp_path, experiment, "one_seed", 0, list(rng.uniform(0.5, 0.8, 5)))
+    client = MlflowClient(mlflow_uri())
+    results = summarize(client, collect(client, experiment), "acc")
+    figures = {name: build(client, results, "acc", f"{experiment}: {caption}") for name, build, caption in FIGURES}
+
+    for name, fig in figures.items():
+        boxes = [(t.get_text(), t.get_window_extent()) for t in drawn_texts(fig)]
+        for text, box in boxes:
+            assert fig.bbox.x0 <= box.x0 and box.x1 <= fig.bbox.x1 and fig.bbox.y0 <= box.y0 and box.y1 <= fig.bbox.y1, \
+                (name, text)
+        overlapping = [(a, b) for i, (a, box) in enumerate(boxes) for b, other in boxes[i + 1:] if box.overlaps(other)]
+        assert not overlapping, name
+
+    legend = figures["curves"].legends[0]
+    labels = [t.get_text() for t in legend.get_texts()]
+    assert sorted(labels) == ["ditto (global = fedavg's)", "fedavg", "local", "one_seed"]
+    color_of = {label.split(" (")[0]: to_rgb(h.get_color()) for label, h in zip(labels, legend.legend_handles)}
+    assert len(set(color_of.values())) == 4
+    personalized, shared = figures["curves"].axes
+    assert [line.get_label() for line in shared.get_lines()] == ["fedavg"]  # ditto's global curve is fedavg's
+    for name in ("curves", "compute"):
+        for ax in figures[name].axes:
+            lines = {line.get_label(): to_rgb(line.get_color()) for line in ax.get_lines()}
+            assert lines == {m: color_of[m] for m in lines}
+            bands = [to_rgb(c.get_facecolor()[0]) for c in ax.collections if isinstance(c, PolyCollection)]
+            assert sorted(bands) == sorted(color for m, color in lines.items() if m != "one_seed"), (name, ax.get_title())
+    assert len(personalized.get_lines()) == 4
+    clients = figures["clients"].axes[0]
+    methods = [t.get_text() for t in clients.get_xticklabels()]
+    assert [to_rgb(box.get_facecolor()) for box in clients.patches] == [color_of[m] for m in methods]
 
 
 @pytest.mark.slow

@@ -1,9 +1,12 @@
 """dvc.yaml is generated from params.yaml: a train stage per experiment, whose code deps are the
 files that can change its runs' numbers."""
 
+import pytest
 import yaml
 
+from conftest import listing_defaults
 from flows.stages import dvc_yaml, stages
+from pfl_tasks.config import ConfigError
 from pfl_tasks.imports import ROOT, numeric_code
 
 
@@ -30,16 +33,36 @@ def test_a_stage_per_experiment_with_the_params_its_runs_read(tmp_path):
         "algorithms": {"ditto-big": {"algorithm": "ditto", "mu": 1.0}, "fedprox": {"mu": 0.5}},
     }
     path = tmp_path / "params.yaml"
-    path.write_text(yaml.safe_dump(params))
+    path.write_text(yaml.safe_dump(listing_defaults(params)))
     out = stages(str(path))["stages"]
     assert set(out) == {"prepare-d", "train-e", "compare"}  # no tables configured
     train = out["train-e"]
     assert {"experiments.e.algorithms", "experiments.e.algorithm_overrides.fedavg", "algorithms.ditto-big"} \
         <= set(train["params"])
     assert "algorithms.fedprox" not in train["params"]  # configured, but not run here
+    assert "algorithms.fedavg" in train["params"]  # listed with its defaults: `dvc exp run -S` can change them
+    # the curves are data, not DVC plots: Vega charts would load their scripts from a CDN
+    assert "plots" not in train and {"plots/e": {"cache": False, "persist": True}} in train["outs"]
     assert {"pfl_tasks/algorithms/ditto.py", "pfl_tasks/algorithms/fedavg.py"} <= set(train["deps"])
     assert not {"pfl_tasks/algorithms/fedprox.py", "pfl_tasks/tracking.py", "pfl_tasks/reports.py"} & set(train["deps"])
     assert train["cmd"] == "python -m flows.train e --on-config-change restart"
-    assert all(next(iter(o.values()))["persist"] for key in ("outs", "metrics", "plots") for o in train[key])
+    assert all(next(iter(o.values()))["persist"] for key in ("outs", "metrics") for o in train[key])
     assert "pfl_tasks/reports.py" in out["compare"]["deps"]
     assert not {"pfl_tasks/tracking.py", "pfl_tasks/runs.py"} & set(out["prepare-d"]["deps"])
+
+
+def test_a_run_whose_hyper_parameters_are_not_all_listed_is_refused_with_their_defaults(tmp_path):
+    """DVC sees only the keys params.yaml holds: a default left to the code could not be changed
+    by `dvc exp run -S` (it would ask for `+algorithms...`), and no stage would depend on it."""
+    params = {
+        "datasets": {"d": {"source": {"name": "digits"}}},
+        "experiments": {"e": {"dataset": "d", "model": {"kind": "linear"}, "algorithms": ["local", "ditto"]}},
+        "algorithms": {"local": {}, "ditto": {"mu": 1.0}},
+    }
+    path = tmp_path / "params.yaml"
+    path.write_text(yaml.safe_dump(params))
+    with pytest.raises(ConfigError, match=r"add their defaults: ditto: \{weighting: samples\}$"):
+        stages(str(path))
+    path.write_text(yaml.safe_dump(listing_defaults(params)))
+    assert yaml.safe_load(path.read_text())["algorithms"]["ditto"] == {"mu": 1.0, "weighting": "samples"}
+    assert "algorithms.ditto" in stages(str(path))["stages"]["train-e"]["params"]

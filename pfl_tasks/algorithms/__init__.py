@@ -20,6 +20,6 @@ from pfl_tasks.algorithms import (  # noqa: F401  (registration)
     pfedme,
 )
 from pfl_tasks.algorithms.base import Algorithm, HyperParams
-from pfl_tasks.algorithms.registry import ALGORITHMS, build, source_file, validate_params
+from pfl_tasks.algorithms.registry import ALGORITHMS, build, hyper_parameters, source_file, validate_params
 
-__all__ = ["ALGORITHMS", "Algorithm", "HyperParams", "build", "source_file", "validate_params"]
+__all__ = ["ALGORITHMS", "Algorithm", "HyperParams", "build", "hyper_parameters", "source_file", "validate_params"]

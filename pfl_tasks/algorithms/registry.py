@@ -40,6 +40,14 @@ def build(run_name: str, raw: dict[str, Any], where: str | None = None):
         raise ConfigError("invalid configuration:\n" + "\n".join(lines)) from None
 
 
+def hyper_parameters(run_name: str, raw: dict[str, Any], *, defaults: bool = True) -> dict[str, Any]:
+    """Run `run_name`'s validated hyper-parameters as JSON values (a float always a float), with
+    its `algorithm:` when it names one; `defaults=False` leaves out those at their default: the
+    canonical form, the same whether params.yaml spells a default out or leaves it to the code."""
+    kind = {"algorithm": raw["algorithm"]} if raw and "algorithm" in raw else {}
+    return {**kind, **build(run_name, raw).hp.model_dump(mode="json", exclude_defaults=not defaults)}
+
+
 def source_file(run_name: str, raw: dict[str, Any]) -> Path:
     """The module that defines run `run_name`'s algorithm."""
     return Path(inspect.getfile(type(build(run_name, raw))))
