@@ -494,7 +494,6 @@ def test_every_algorithm_survives_half_its_clients_dropping(digits, algorithm):
 
 def test_a_round_nobody_reports_is_skipped_and_counted(project):
     final = train(project, dropout=0.9)
-    history = json.loads(RunPaths.of(project, "tiny", "fedavg", 0).metrics.read_text())
     skipped = sum(len(federation_of(load_partition(project / "data/partitions/digits/seed-0"), "fedavg", dropout=0.9)
                       .sample_clients(r)) == 0 for r in range(6))
-    assert skipped > 0 and final["final/rounds/skipped"] == history["final/rounds/skipped"] == skipped
+    assert skipped > 0 and final["final/rounds/skipped"] == skipped

@@ -60,13 +60,13 @@ def test_a_diverging_run_is_a_failed_run_never_a_result(project):
     from conftest import mlflow_uri
 
     outcome = run(project, "fedavg", "diverging", local={"steps": 3, "batch_size": 16, "optimizer": {"lr": 1.0e20}})
-    assert outcome["status"] == "diverged" and outcome["round"] >= 1
+    assert outcome["status"] == "diverged" and outcome["diverged_at"] >= 1
     paths = RunPaths.of(project, "diverging", "fedavg", 0)
     assert json.loads(paths.metrics.read_text()) == outcome  # strict JSON: no NaN token
     client = MlflowClient(mlflow_uri())
     (found,) = client.search_runs([client.get_experiment_by_name("diverging").experiment_id])
-    assert found.info.status == "FAILED" and found.data.tags["diverged_at"] == str(outcome["round"])
-    assert found.data.tags["failure"].startswith(f"diverged at round {outcome['round']}: ")
+    assert found.info.status == "FAILED" and found.data.tags["diverged_at"] == str(outcome["diverged_at"])
+    assert found.data.tags["failure"].startswith(f"diverged at round {outcome['diverged_at']}: ")
 
 
 def test_costs_are_logged_per_round_and_grow_with_the_local_work(project):
