@@ -137,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
         stem.with_suffix(".json").write_text(json.dumps(result, indent=1, default=sorted))
         stem.with_suffix(".md").write_text(markdown(result))
 
+    if args.workdir:
+        args.workdir.mkdir(parents=True, exist_ok=True)
     with contextlib.nullcontext(args.workdir) if args.workdir else tempfile.TemporaryDirectory() as tmp:
         result["stage_start_s"] = stage_start()
         (Path(tmp) / "cost").mkdir()
