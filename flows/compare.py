@@ -19,7 +19,7 @@ from pathlib import Path
 import flows  # noqa: F401  (environment defaults)
 from flows.stage import stage_main
 from pfl_tasks.config import load_params
-from pfl_tasks.files import atomic_write_text
+from pfl_tasks.files import OutputLock, atomic_write_text, remove_stale_temporaries
 from pfl_tasks.reports import best_line, configured_runs, results_store, write_report
 from pfl_tasks.tracking import json_text
 from pfl_tasks.tracking import tracking_uri as configured_uri
@@ -27,6 +27,7 @@ from pfl_tasks.tracking import tracking_uri as configured_uri
 REPORTS = Path("reports/compare")
 FIGURES = Path("reports/figures")
 RANKING = Path("reports/ranking.json")
+LOCK = Path(".locks/compare.lock")  # one writer of a root's reports at a time
 
 
 def compare(experiments: list[str] | None = None, params_path: str = "params.yaml", tracking_uri: str | None = None,
@@ -37,20 +38,25 @@ def compare(experiments: list[str] | None = None, params_path: str = "params.yam
     client, experiments = results_store(uri, experiments or list(params.experiments), params_path,
                                         every=experiments is not None)
     root = Path(root)
+    # the runs the workspace's metrics files name: a garbled one is an error before anything is written
+    pinned = {e: configured_runs(params, e, root) if e in params.experiments else None for e in experiments}
     rankings = {}
-    for experiment in experiments:
-        only = configured_runs(params, experiment, root) if experiment in params.experiments else None
-        results = rankings[experiment] = write_report(client, experiment, root / REPORTS, root / FIGURES, only)
-        ranked = sum(r.ranked for r in results)
-        print(f"{experiment}: {ranked} methods ranked, {best_line(results)} -> {root / REPORTS / experiment}.md")
-    write_ranking(root / RANKING, rankings, keep_others=bool(experiments_asked))
+    with OutputLock(root / LOCK, "the comparison reports"):
+        for experiment in experiments:
+            results = rankings[experiment] = write_report(client, experiment, root / REPORTS, root / FIGURES,
+                                                          pinned[experiment])
+            ranked = sum(r.ranked for r in results)
+            print(f"{experiment}: {ranked} methods ranked, {best_line(results)} -> {root / REPORTS / experiment}.md")
+        write_ranking(root / RANKING, rankings, keep_others=bool(experiments_asked))
     return rankings
 
 
 def write_ranking(path: Path, rankings: dict[str, list], keep_others: bool) -> None:
     """DVC metrics `<experiment>.<method>`: each ranked method's mean over clients and seeds, the
     number its report ranks by; short keys, so that `dvc exp show` compares experiments in a
-    terminal. `keep_others`: the experiments not compared now keep their entries."""
+    terminal. `keep_others`: the experiments not compared now keep their entries. Call as its one
+    writer: what a killed writer left of its temporaries is removed first."""
+    remove_stale_temporaries(path)
     ranking = json.loads(path.read_text()) if keep_others and path.exists() else {}
     ranking.update({experiment: {r.method: r.personalized[0] for r in results if r.ranked}
                     for experiment, results in rankings.items()})

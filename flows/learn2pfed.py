@@ -24,7 +24,7 @@ import torch
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 
-from flows.stage import prefect_api, stage_main, stage_name
+from flows.stage import check_prefect_api, prefect_api, stage_main, stage_name
 from pfl_tasks.algorithms import build, source_file, validate_params
 from pfl_tasks.algorithms.learn2pfed import Cells
 from pfl_tasks.algorithms.learn2pfed_meta import (
@@ -80,10 +80,14 @@ def upstream_checkpoint(exp: ResolvedExperiment, run_name: str, root: Path) -> P
 
 
 def check_inputs(params, experiment: str, root: Path) -> None:
-    """What every run of `experiment` reads, checked before the store opens and Prefect starts:
-    each seed's partition and, for classification, the upstream checkpoint."""
-    exp, upstream = params.experiment(experiment), params.learn2pfed[experiment].features_from
+    """What every run of `experiment` reads and writes, checked before the store opens and
+    Prefect starts: each seed's partition, each run's output folders and, for classification,
+    the upstream checkpoint."""
+    exp, cfg = params.experiment(experiment), params.learn2pfed[experiment]
+    upstream = cfg.features_from
     for seed in exp.seeds:
+        for supervision in cfg.supervision:
+            RunPaths.of(root, f"learn2pfed/{exp.name}", f"learn2pfed-{supervision}", seed).check_writable()
         manifest = read_manifest(partition_dir(root, exp.dataset, seed))
         if manifest.task == "classification" and upstream is not None:
             upstream_checkpoint(exp.model_copy(update={"seed": seed}), upstream, root)
@@ -243,6 +247,7 @@ def run_experiment(experiment: str, params_path: str = "params.yaml", root: str 
         raise ConfigError(f"learn2pfed: no entry '{experiment}' (have: {sorted(params.learn2pfed)})")
     exp = params.experiment(experiment)
     check_inputs(params, experiment, Path(root))
+    check_prefect_api()
     open_store(tracking_uri(params.tracking.mlflow_uri))
     with prefect_api():
         return {

@@ -8,15 +8,18 @@ Prefect's ephemeral-server start for nothing.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import shutil
 import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import flows  # noqa: F401  (environment defaults)
 from flows.stage import stage_main
 from pfl_tasks.config import ConfigError, load_params
 from pfl_tasks.data import PARTITIONS, build_partition, write_partition
-from pfl_tasks.files import remove_stale_temporaries
+from pfl_tasks.files import OutputLock, OutputLockedError
 
 
 def prepare(dataset: str, params_path: str = "params.yaml", out_root: Path = PARTITIONS) -> Path:
@@ -26,18 +29,39 @@ def prepare(dataset: str, params_path: str = "params.yaml", out_root: Path = PAR
         raise ConfigError(f"unknown dataset '{dataset}'; params.yaml has {sorted(params.datasets)}")
     folder = Path(out_root) / dataset
     seeds = params.partition_seeds(dataset)
-    for stale in folder.glob("*") if folder.is_dir() else []:  # seeds no longer used, older layouts
-        if stale.name not in {f"seed-{s}" for s in seeds} and not stale.name.startswith("."):
-            shutil.rmtree(stale) if stale.is_dir() else stale.unlink()
     for seed in seeds:
         table, manifest = build_partition(dataset, params.datasets[dataset], seed)
         out = folder / f"seed-{seed}"
-        remove_stale_temporaries(out)  # of a killed earlier prepare
-        write_partition(table, manifest, out)
+        with dataset_lock(Path(out_root), dataset):
+            # seeds no longer used, older layouts, temporaries of a killed prepare
+            for stale in folder.glob("*") if folder.is_dir() else []:
+                if stale.name not in {f"seed-{s}" for s in seeds}:
+                    shutil.rmtree(stale) if stale.is_dir() else stale.unlink()
+            write_partition(table, manifest, out)
         counts = [c["train"] + c["val"] + c["test"] for c in manifest["clients"]]
         print(f"{dataset} seed {seed}: {len(table)} samples, {manifest['n_clients']} clients "
               f"(sizes {min(counts)}..{max(counts)}) -> {out}")
     return folder
+
+
+@contextlib.contextmanager
+def dataset_lock(out_root: Path, dataset: str) -> Iterator[None]:
+    """The dataset's folder to this process alone, once a concurrent prepare of it is done."""
+    lock = OutputLock(out_root / ".locks" / f"{dataset}.lock", f"the partitions of {dataset}")
+    waiting = False
+    while True:
+        try:
+            lock.__enter__()
+            break
+        except OutputLockedError as err:
+            if not waiting:
+                print(f"waiting: {err}", flush=True)
+            waiting = True
+            time.sleep(0.2)
+    try:
+        yield
+    finally:
+        lock.__exit__()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,6 +19,7 @@ import sys
 
 import flows  # noqa: F401  (environment defaults)
 from flows.pipeline import pipeline_flow, repro_flow
+from flows.stage import check_prefect_api
 from flows.sweep import sweep_flow
 from pfl_tasks.algorithms import validate_params
 from pfl_tasks.config import ConfigError, SweepConfig, load_params, parse_params
@@ -54,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         chosen = deployments(args.cron, SweepConfig.model_validate_json(args.sweep), args.sweep_cron, args.params_file)
+        check_prefect_api()
     except (ValueError, ConfigError) as err:
         print(f"serve failed: {err}", file=sys.stderr)
         return 2

@@ -12,6 +12,7 @@ import contextlib
 import ctypes
 import logging
 import os
+import queue
 import re
 import signal
 import subprocess
@@ -19,6 +20,7 @@ import sys
 import tempfile
 import time
 import traceback
+import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 
@@ -27,14 +29,15 @@ from pfl_tasks.data import DataValidationError
 from pfl_tasks.data.partition import PartitionError
 from pfl_tasks.data.sources import SourceError
 from pfl_tasks.engine.checkpoint import CheckpointError
-from pfl_tasks.files import OutputLockedError
+from pfl_tasks.files import OutputLockedError, OutputPathError
 from pfl_tasks.runs import RunStopped
 from pfl_tasks.tracking import ComparisonError, TrackingError
 
 EXPECTED = (ConfigError, DataValidationError, PartitionError, SourceError, CheckpointError, OutputLockedError,
-            TrackingError, ComparisonError)
+            OutputPathError, TrackingError, ComparisonError)
 PR_SET_PDEATHSIG = 1
 OUR_SERVER = "PFL_PREFECT_SERVER"  # the URL of a server a stage or `make run` started, for its child processes
+DRAIN_SECONDS = 5.0  # the longest a stage waits at its end for its Prefect server to take the last logs and events
 
 
 def _die_with(parent: int) -> Callable[[], None]:
@@ -60,6 +63,24 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+def check_prefect_api() -> None:
+    """A PREFECT_API_URL that is set must answer within seconds (else every flow run retries
+    against it, then fails with a long traceback): a ConfigError naming it."""
+    from prefect.settings import PREFECT_API_URL
+
+    url = PREFECT_API_URL.value()
+    if not url:
+        return
+    try:
+        with urllib.request.urlopen(f"{url.rstrip('/')}/health", timeout=5):
+            pass
+    except urllib.error.HTTPError:
+        pass  # it answers (a server that wants a key, as Prefect Cloud does)
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"PREFECT_API_URL={url} does not answer ({getattr(err, 'reason', err)}): "
+                          "start that server or unset it") from None
+
+
 @contextlib.contextmanager
 def prefect_api(ui: bool = False) -> Iterator[str]:
     """The Prefect API this stage's flows report to: PREFECT_API_URL when set, else a server of
@@ -74,6 +95,7 @@ def prefect_api(ui: bool = False) -> Iterator[str]:
     )
 
     if PREFECT_API_URL.value():
+        check_prefect_api()
         ours = PREFECT_API_URL.value() == os.environ.get(OUR_SERVER)
         with temporary_settings({PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}) if ours else contextlib.nullcontext():
             yield PREFECT_API_URL.value()
@@ -103,7 +125,7 @@ def prefect_api(ui: bool = False) -> Iterator[str]:
                     yield url
                 finally:
                     with contextlib.suppress(Exception):  # never to mask how the stage ended
-                        _drain_prefect_workers()  # else they retry against the stopped server at exit
+                        _drain_prefect_workers(server_died=proc.poll() is not None)  # else they retry at exit
                     os.environ.pop("PREFECT_API_URL", None)
                     os.environ.pop(OUR_SERVER, None)
         finally:
@@ -115,17 +137,43 @@ def prefect_api(ui: bool = False) -> Iterator[str]:
                 proc.wait()
 
 
-def _drain_prefect_workers() -> None:
-    """Send the logs and events Prefect's client still holds (as its test harness does), without
-    the workers' "Still processing items: N items remaining" warnings: that wait is this one."""
+def _drain_prefect_workers(server_died: bool) -> None:
+    """Send the logs and events Prefect's client still holds (as its test harness does) for at
+    most DRAIN_SECONDS, without the workers' "Still processing items: N items remaining"
+    warnings: that wait is this one. What they hold after it, and all of it when the server died
+    (each record would wait out the client's retries, about 7 s), is dropped with one line, and
+    so is their drain at interpreter exit; a signal during the wait drops it too."""
+    from prefect._internal.concurrency.services import _QueueServiceBase  # every worker's base: no public list
     from prefect.events.worker import EventsWorker
     from prefect.logging.handlers import APILogWorker
 
     for worker in (APILogWorker, EventsWorker):  # each logs to a logger named after its class
         logging.getLogger(worker.__name__).setLevel(logging.ERROR)
-    with contextlib.suppress(RuntimeError):  # never started
-        APILogWorker.instance().drain()
-    EventsWorker.drain_all()
+    with _QueueServiceBase._instance_cache_lock:
+        workers = list(_QueueServiceBase._instances.values())
+    try:
+        _QueueServiceBase.drain_all(timeout=0 if server_died else DRAIN_SECONDS)
+    finally:
+        left = [w for w in workers if w._done_event is not None and not w._done_event.is_set()]
+        lost = sum(_drop(w) for w in left)
+        if server_died:
+            print(f"the stage's Prefect server died: the {lost} logs and events its client still held are lost",
+                  file=sys.stderr)
+        elif left:
+            print(f"the stage's Prefect server had not taken the last logs and events after {DRAIN_SECONDS:g} s: "
+                  f"the {lost} still queued are lost", file=sys.stderr)
+
+
+def _drop(worker) -> int:
+    """Drop what a Prefect client worker holds, and its drain at interpreter exit (it ends after
+    the record under way); how many records it held."""
+    dropped = 0
+    with contextlib.suppress(queue.Empty):
+        while True:
+            dropped += worker._queue.get_nowait() is not None
+    worker._queue.put_nowait(None)  # its end
+    worker._loop.call_soon_threadsafe(worker._done_event.set)
+    return dropped
 
 
 def _stop(signum, frame) -> None:
@@ -166,9 +214,9 @@ def quiet_expected_errors() -> Iterator[None]:
 
 def stage_main(name: str, work: Callable[[], object]) -> int:
     """Run `work` and map its end to an exit code: 0 done; 2 a clear error of config, data,
-    checkpoint, lock or tracking (one line); 128 + N stopped by signal N (SIGTERM stops it
-    cleanly, as SIGINT does); 1 anything else (traceback, then one line)."""
-    previous = signal.signal(signal.SIGTERM, _stop)
+    checkpoint, lock, output folder or tracking (one line); 128 + N stopped by signal N (SIGTERM
+    and SIGHUP stop it cleanly, as SIGINT does); 1 anything else (traceback, then one line)."""
+    previous = {sig: signal.signal(sig, _stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
         with quiet_expected_errors():
             work()
@@ -186,5 +234,6 @@ def stage_main(name: str, work: Callable[[], object]) -> int:
         print(f"{name} failed: {type(err).__name__}: {err}", file=sys.stderr)
         return 1
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     return 0

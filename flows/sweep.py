@@ -22,7 +22,7 @@ import yaml
 from prefect import flow
 
 from flows.pipeline import pipeline_flow
-from flows.stage import prefect_api, stage_main
+from flows.stage import check_prefect_api, prefect_api, stage_main
 from pfl_tasks.algorithms import validate_params
 from pfl_tasks.config import SweepConfig, parse_params
 from pfl_tasks.files import atomic_write_text
@@ -64,6 +64,7 @@ def run_sweep(sweep: SweepConfig, root: str = ".") -> None:
     FINISHED, FAILED, or KILLED by a signal, as its children do. The parent holds the grid
     (params `grid.<key>`) and, once the sweep ends, its choice (`record_choice`)."""
     params = validate_params(parse_params(sweep.params()))
+    check_prefect_api()
     open_store(tracking_uri(params.tracking.mlflow_uri))
     parent = None
     try:

@@ -5,8 +5,8 @@ experiments. The runs and every number come from the same place as the `compare`
 (`pfl_tasks.reports`): per configured (method, seed) the newest finished run in MLflow; a cell
 is the personalized test metric at the round selected on validation, mean over clients and
 seeds [95% CI], marked ≈ when not significantly different from the column's best, † when
-the personalized model is the global one and ✓ on the column's best on validation; a diverged
-method reads "diverged at round R".
+the personalized model is the global one and ✓ on the column's best on validation; a method not
+ranked says why ("diverged at round R", "too few rounds aggregated: A of R").
 Writes `reports/markdown/<table>.md` and the DVC metrics `reports/tables/<table>/<method>.json`
 (`dvc metrics show --md reports/tables/<table>`: a row per method), and logs the table and
 every cell's numbers to MLflow (experiment `tables`).
@@ -27,8 +27,8 @@ from flows.stage import stage_main
 from pfl_tasks.config import ConfigError, Params, TableConfig, load_params
 from pfl_tasks.files import atomic_write_text
 from pfl_tasks.reports import (
-    MethodResult, collect, configured_runs, diverged_note, interval, marks, primary_metric, protocol_lines,
-    results_store, summarize, winner_on_validation,
+    MethodResult, collect, configured_runs, interval, marks, primary_metric, protocol_lines, results_store,
+    summarize, unranked_note, winner_on_validation,
 )
 from pfl_tasks.tracking import MlflowRun, tracking_uri
 
@@ -38,7 +38,7 @@ REPORTS = Path("reports")
 def cell(result: MethodResult, metric: str, chosen: bool) -> dict:
     """`chosen`: the column's best on validation."""
     if not result.ranked:
-        return {"metric": metric, "status": diverged_note(result) if result.diverged else "no per-client results"}
+        return {"metric": metric, "status": unranked_note(result)}
     point, low, high = result.personalized
     return {"metric": metric, "mean": point, "ci_low": low, "ci_high": high, "seeds": len(result.seeds),
             "not_worse_than_best": result.indistinguishable(), "global_only": result.global_only,

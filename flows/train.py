@@ -31,7 +31,7 @@ from pydantic import ValidationError
 
 from pfl_tasks.algorithms import build, hyper_parameters, source_file, validate_params
 from pfl_tasks.algorithms.federation import Federation, InlineSteps, RunState, play_rounds, run_round
-from flows.stage import prefect_api, stage_main
+from flows.stage import check_prefect_api, prefect_api, stage_main
 from pfl_tasks.config import (
     ConfigError, EngineConfig, ResolvedExperiment, SweepConfig, TrackingConfig, config_hash, load_params,
     parse_assignment, parse_params,
@@ -42,7 +42,7 @@ from pfl_tasks.engine.checkpoint import CheckpointError, load_checkpoint, save_c
 from pfl_tasks.engine.device import describe, platform, resolve_device
 from pfl_tasks.engine.state import gather
 from pfl_tasks.imports import code_hash, numeric_code
-from pfl_tasks.runs import Run, RunPaths
+from pfl_tasks.runs import Run, RunPaths, resume_point
 from pfl_tasks.tracking import (
     dvc_curve,
     evaluation_line,
@@ -244,6 +244,12 @@ def run_identity(exp: ResolvedExperiment, run_name: str, raw_hp: dict, data_hash
     }
 
 
+def identity_with_platform(exp: ResolvedExperiment, run_name: str, raw_hp: dict, data_hash: str) -> dict:
+    """`run_identity` with the platform this process computes on: what its checkpoint records."""
+    return {**run_identity(exp, run_name, raw_hp, data_hash),
+            "platform": describe(platform(exp.engine, resolve_device(exp.engine.device)))}
+
+
 def partition(directory: Path) -> FederatedData:
     """`load_partition`, once per process while its files stay as they are: an experiment's
     runs share their seed's partition (the samples are read, never written)."""
@@ -268,8 +274,7 @@ def finished_outcome(exp: ResolvedExperiment, run_name: str, raw_hp: dict, root:
         return None
     if outcome.get("status") != "finished" or not paths.checkpoint.exists():
         return None
-    identity = {**run_identity(exp, run_name, raw_hp, manifest.table_sha256[:16]),
-                "platform": describe(platform(exp.engine, resolve_device(exp.engine.device)))}
+    identity = identity_with_platform(exp, run_name, raw_hp, manifest.table_sha256[:16])
     try:
         ckpt = load_checkpoint(paths.checkpoint, {k: identity[k] for k in ("experiment", "algorithm", "config_hash")})
     except CheckpointError:
@@ -277,6 +282,24 @@ def finished_outcome(exp: ResolvedExperiment, run_name: str, raw_hp: dict, root:
     same = (ckpt["round"] == exp.federation.rounds and ckpt.get("platform") == identity["platform"]
             and ckpt.get("mlflow_run_id") == pinned_run(outcome))
     return outcome if same else None
+
+
+def check_inputs(exp: ResolvedExperiment, runs: list[tuple[str, int]], root: Path, on_config_change: str) -> None:
+    """What `runs` (algorithm, seed) read and write, checked before the store opens, Prefect
+    starts or a lock is taken, so that a bad input leaves nothing behind: the device, each seed's
+    partition, each run's output folders and its checkpoint (readable and this run's; under
+    `refuse`, of this configuration and platform too)."""
+    resolve_device(exp.engine.device)
+    for run_name, seed in runs:
+        data = partition(partition_dir(root, exp.dataset, seed))  # cached for the run
+        paths = RunPaths.of(root, exp.name, run_name, seed)
+        paths.check_writable()
+        if on_config_change == "refuse":  # then every problem of a checkpoint is an error
+            identity = identity_with_platform(exp.model_copy(update={"seed": seed}), run_name,
+                                              exp.hyper[run_name], data.manifest_hash)
+            resume_point(paths.checkpoint, identity, exp.federation.rounds, on_config_change)
+        elif paths.checkpoint.exists():
+            load_checkpoint(paths.checkpoint, {"experiment": exp.name, "algorithm": run_name})
 
 
 def train_run(
@@ -422,7 +445,6 @@ def train_experiment(
     if unlisted:
         raise ConfigError(f"experiments.{experiment} does not run {unlisted} (it runs {exp.algorithms}); "
                           "if dvc.yaml asked for them, it is older than params.yaml: python -m flows.stages")
-    open_store(tracking_uri(params.tracking.mlflow_uri))
     results, started = {}, time.monotonic()
     runs = [(run_name, seed) for run_name in exp.algorithms if algorithms is None or run_name in algorithms
             for seed in exp.seeds if seeds is None or seed in seeds]
@@ -436,7 +458,11 @@ def train_experiment(
     if len(todo) < len(runs):
         print(f"{experiment}: {len(runs) - len(todo)} of {len(runs)} runs already finished under the same "
               "config, data and code: kept")
+    check_inputs(exp, todo, Path(root), on_config_change)
     orchestrated = exp.engine.orchestrator == "prefect"
+    if orchestrated and todo:
+        check_prefect_api()
+    open_store(tracking_uri(params.tracking.mlflow_uri))
     with prefect_api() if orchestrated and todo else contextlib.nullcontext():
         for run_name, seed in todo:
             if orchestrated:

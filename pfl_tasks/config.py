@@ -9,15 +9,18 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import io
 import itertools
 import json
+import os
 import re
+from collections.abc import Hashable
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
 import yaml
 from pydantic import (
-    BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator,
+    AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator,
 )
 
 # strict: a boolean or a string is no number (YAML's `rounds: true` is an error, not 1)
@@ -27,11 +30,23 @@ Fraction = Annotated[float, Field(gt=0, lt=1, strict=True)]
 Float = Annotated[float, Field(strict=True)]
 NonNegativeFloat = Annotated[float, Field(ge=0, strict=True)]
 Bool = Annotated[bool, Field(strict=True)]
-Seed = Annotated[int, Field(ge=0, strict=True)]
+MAX_SEED = 2**32 - 1  # what every seeding API takes (numpy's RandomState: 32 bits; np.uint64, torch: 64)
+Seed = Annotated[int, Field(ge=0, le=MAX_SEED, strict=True)]
 Seeds = Annotated[list[Seed], Field(min_length=1)]
 # experiment, dataset, algorithm and table names become path components and MLflow names
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
-Name = Annotated[str, Field(pattern=NAME_PATTERN)]
+MAX_NAME = 100  # a path component may take 255 bytes; a sweep appends to names
+Name = Annotated[str, Field(pattern=NAME_PATTERN, max_length=MAX_NAME)]
+
+
+def _names_an_algorithm(entry: dict[str, Any]) -> dict[str, Any]:
+    """An algorithm entry whose `algorithm:`, if any, is a name (the registry checks which)."""
+    if "algorithm" in entry and not isinstance(entry["algorithm"], str):
+        raise ValueError(f"'algorithm' must name a registered algorithm, not {entry['algorithm']!r}")
+    return entry
+
+
+AlgorithmEntry = Annotated[dict[str, Any], AfterValidator(_names_an_algorithm)]  # one run's hyper-parameters
 
 
 def _once(values: list | None, what: str) -> list | None:
@@ -53,7 +68,7 @@ class Strict(BaseModel):
     @classmethod
     def _name_allowed_keys(cls, data: Any) -> Any:
         if isinstance(data, dict):
-            unknown = sorted(set(data) - set(cls.model_fields))
+            unknown = sorted(set(data) - set(cls.model_fields), key=str)  # YAML keys may be numbers
             if unknown:
                 raise ValueError(
                     f"unknown key(s) {unknown}; allowed: {sorted(cls.model_fields)}"
@@ -364,7 +379,7 @@ class ExperimentConfig(Strict):
     seeds: Seeds | None = None  # one run each; None: [seed]
     federation: dict[str, Any] = {}  # overrides of the top-level section
     local: dict[str, Any] = {}
-    algorithm_overrides: dict[Name, dict[str, Any]] = {}  # run name -> its hyper-parameters here
+    algorithm_overrides: dict[Name, AlgorithmEntry] = {}  # run name -> its hyper-parameters here
 
     @field_validator("seeds")
     @classmethod
@@ -535,7 +550,7 @@ class Params(Strict):
     tracking: TrackingConfig = TrackingConfig()
     # run name -> hyper-parameters (a registered algorithm's name, or any name with `algorithm:`);
     # an experiment may also list a registered algorithm absent here: it runs at its defaults
-    algorithms: dict[Name, dict[str, Any]] = {}
+    algorithms: dict[Name, AlgorithmEntry] = {}
     learn2pfed: dict[Name, Learn2pFedConfig] = {}  # experiment name -> downstream stage
     tables: dict[Name, TableConfig] = {}
 
@@ -613,12 +628,9 @@ def _validate(model: type[BaseModel], data: Any, prefix: str = "") -> Any:
     try:
         return model.model_validate(data)
     except ValidationError as err:
-        lines = []
-        for e in err.errors():
-            where = _dotted(e["loc"], prefix) or "(top level)"
-            msg = e["msg"].removeprefix("Value error, ")
-            lines.append(f"  {where}: {msg}")
-        raise ConfigError("invalid configuration:\n" + "\n".join(lines)) from None
+        problems = [f"{_dotted(e['loc'], prefix) or '(top level)'}: {e['msg'].removeprefix('Value error, ')}"
+                    for e in err.errors()]
+        raise ConfigError("; ".join(problems)) from None  # one line, as a stage prints it
 
 
 def parse_params(data: Any) -> Params:
@@ -628,10 +640,26 @@ def parse_params(data: Any) -> Params:
     return params
 
 
+MAX_PARAMS_BYTES = 2**20  # params files take a few KB; reading a 5 MB one took 86 s and 1.3 GB
+MAX_NESTING = 32  # params files nest 6 levels; YAML's composer recurses per level
+
+
 class _ParamsLoader(yaml.SafeLoader):
-    """YAML with two traps closed: a key given twice in one mapping is an error (not "the last
-    wins"; `<<` merges may still be overridden), and `1e-3` is a float as in YAML 1.2 (YAML 1.1
-    reads it as a string)."""
+    """YAML with three traps closed: a key given twice in one mapping is an error (not "the last
+    wins"; `<<` merges may still be overridden), `1e-3` is a float as in YAML 1.2 (YAML 1.1
+    reads it as a string), and nesting deeper than MAX_NESTING is an error (not a RecursionError)."""
+
+    _depth = 0
+
+    def compose_node(self, parent, index):
+        if self._depth == MAX_NESTING:
+            mark = self.peek_event().start_mark
+            raise ConfigError(f"{mark.name}: line {mark.line + 1}: nested deeper than {MAX_NESTING} levels")
+        self._depth += 1
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
 
     def construct_mapping(self, node, deep=False):
         seen = {}
@@ -639,6 +667,8 @@ class _ParamsLoader(yaml.SafeLoader):
             if key_node.tag == "tag:yaml.org,2002:merge":
                 continue
             key = self.construct_object(key_node, deep=True)
+            if not isinstance(key, Hashable):
+                continue  # a list as key: super() refuses it, naming its line
             line = key_node.start_mark.line + 1
             if key in seen:
                 raise ConfigError(f"{key_node.start_mark.name}: key '{key}' appears twice in one mapping, "
@@ -655,15 +685,35 @@ _ParamsLoader.add_implicit_resolver(
 
 
 def read_params(path: str | Path) -> dict:
-    """The raw params file, unvalidated."""
+    """The raw params file, unvalidated; one over MAX_PARAMS_BYTES is refused unread."""
     try:
-        with open(path) as fh:
-            data = yaml.load(fh, _ParamsLoader)
-    except (OSError, yaml.YAMLError) as err:
+        with open(path, "rb") as fh:
+            size = os.fstat(fh.fileno()).st_size
+            text = fh.read(MAX_PARAMS_BYTES + 1)
+    except OSError as err:
         raise ConfigError(f"cannot read {path}: {err}") from None
+    if len(text) > MAX_PARAMS_BYTES:
+        raise ConfigError(f"{path}: {max(size, len(text)):,} bytes, over the {MAX_PARAMS_BYTES:,} bytes "
+                          "a params file may take")
+    stream = io.BytesIO(text)
+    stream.name = str(path)  # for the marks of YAML's errors
+    try:
+        data = yaml.load(stream, _ParamsLoader)
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: {_yaml_problem(err)}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping of sections at the top level")
     return data
+
+
+def _yaml_problem(err: yaml.YAMLError) -> str:
+    """A YAML error in one line, without the file name: where, then what."""
+    if isinstance(err, yaml.reader.ReaderError):  # undecodable bytes, or a control character
+        what = "a control character" if err.encoding == "unicode" else f"not {err.encoding} text"
+        return f"position {err.position}: {what} ({err.reason})"
+    mark = getattr(err, "problem_mark", None)
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+    return where + " ".join(str(getattr(err, "problem", None) or err).split())
 
 
 def load_params(path: str | Path = "params.yaml") -> Params:

@@ -4,6 +4,9 @@ run output, by an OS lock that dies with its holder."""
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import errno
 import fcntl
 import os
 import shutil
@@ -50,19 +53,46 @@ def atomic_write_text(path: Path, text: str) -> None:
     atomic_write(path, lambda fh: fh.write(text))
 
 
+_LIBC = ctypes.CDLL(None, use_errno=True)
+AT_FDCWD, RENAME_EXCHANGE = -100, 2  # <fcntl.h>, <linux/fs.h>
+
+
+def _exchange(a: Path, b: Path) -> None:
+    """Swap the entries `a` and `b` in one atomic step (Linux's renameat2 RENAME_EXCHANGE)."""
+    renameat2 = getattr(_LIBC, "renameat2", None)  # glibc 2.28+
+    if renameat2 is None:
+        raise OSError(errno.ENOSYS, "renameat2 is not available")
+    if renameat2(AT_FDCWD, os.fsencode(a), AT_FDCWD, os.fsencode(b), RENAME_EXCHANGE) != 0:
+        code = ctypes.get_errno()
+        raise OSError(code, os.strerror(code), str(a), None, str(b))
+
+
 def atomic_directory(path: Path, fill: Callable[[Path], None]) -> None:
-    """`fill(tmp)` populates a temp folder beside `path`, which then replaces `path` whole."""
+    """`fill(tmp)` populates a temp folder beside `path`, which then replaces `path` whole in one
+    atomic exchange: whenever a kill strikes, `path` is the old folder or the new one (a temp
+    folder may be stranded; `remove_stale_temporaries` sweeps it)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=temp_prefix(path), dir=path.parent))
     try:
         tmp.chmod(0o777 & ~UMASK)  # mkdtemp creates 0700
         fill(tmp)
-        if path.exists():
-            shutil.rmtree(path)
-        tmp.rename(path)
+        if not os.path.lexists(path):
+            os.rename(tmp, path)
+        else:
+            try:
+                _exchange(tmp, path)  # tmp now holds the old folder
+            except OSError as err:
+                if err.errno not in (errno.EINVAL, errno.ENOSYS):
+                    raise
+                # a filesystem that cannot exchange (NFS): the old folder is moved aside first, so
+                # a kill between these two renames leaves none at `path` until a rerun
+                old = tmp.with_name(f"{tmp.name}-old")
+                os.rename(path, old)
+                os.rename(tmp, path)
+                shutil.rmtree(old)
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # the old folder, or an unfinished new one
 
 
 def remove_stale_temporaries(*paths: Path) -> list[Path]:
@@ -85,15 +115,68 @@ class OutputLockedError(RuntimeError):
     """Another live process writes the same outputs."""
 
 
+class OutputPathError(RuntimeError):
+    """An output's folder cannot be made: a file or a dangling link in its way, or no write access."""
+
+
+def check_output_dir(directory: Path) -> None:
+    """Raise OutputPathError unless `directory` is, or can be made as, a writable folder; creates
+    nothing."""
+    existing = Path(directory)  # the deepest folder there is
+    for part in reversed([Path(directory), *Path(directory).parents]):
+        if part.is_dir():
+            existing = part
+        elif part.is_symlink():
+            raise OutputPathError(f"{part} is a link to {os.readlink(part)}, which does not exist: "
+                                  "create its target or remove the link")
+        elif part.exists():
+            raise OutputPathError(f"{part} is not a directory: move it away")
+        else:
+            break  # `part` and what is under it get created
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise OutputPathError(f"{existing}: no permission to write there")
+
+
 class OutputLock:
     """An exclusive `flock` on `path` holding the owner's PID. The kernel releases it when the
-    owner dies, however it dies, so a stale lock is simply taken over."""
+    owner dies, however it dies, so a stale lock is simply taken over. A lock file deleted under
+    its owner (`rm -rf .locks`) would let a second writer in: `verify` finds that out."""
 
     def __init__(self, path: Path, what: str):
         self.path, self.what = Path(path), what
         self._fd: int | None = None
 
     def __enter__(self) -> OutputLock:
+        holder = self._take()
+        if holder is not None:
+            raise OutputLockedError(
+                f"{self.what} is being written by another process (PID {holder}, lock {self.path}); "
+                "wait for it or stop it"
+            )
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # releases the flock
+            self._fd = None
+
+    def verify(self) -> None:
+        """Still the one writer: a lock file deleted under this owner is taken anew, unless
+        another process took the new one meanwhile; then OutputLockedError, and this process must
+        write no more of the outputs (they are the other's now)."""
+        with contextlib.suppress(FileNotFoundError):
+            if os.path.samestat(os.fstat(self._fd), os.stat(self.path)):
+                return
+        self.__exit__()
+        holder = self._take()
+        if holder is not None:
+            raise OutputLockedError(
+                f"{self.what}: its lock {self.path} was deleted while this process held it, and PID {holder} "
+                "took a new one: stopped without writing more (the outputs are that process's now)"
+            )
+
+    def _take(self) -> str | None:
+        """Lock `path`, created if missing: None when taken, else the holder's PID."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
         try:
@@ -101,16 +184,8 @@ class OutputLock:
         except BlockingIOError:
             holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
             os.close(fd)
-            raise OutputLockedError(
-                f"{self.what} is being written by another process (PID {holder}, lock {self.path}); "
-                "wait for it or stop it"
-            ) from None
+            return holder
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self._fd = fd
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self._fd is not None:
-            os.close(self._fd)  # releases the flock
-            self._fd = None
+        return None

@@ -8,7 +8,8 @@ The protocol (README, "How methods are compared"): a method's score is the test 
 personalized model at the round selected on validation, per client; the cell is the mean over
 seeds of the client mean, with a 95% CI from a two-level bootstrap (seeds, then clients). The
 best method is compared with each other one by a paired test over clients (`stats.TEST_NAME`);
-methods it cannot tell apart at ALPHA are marked. A diverged run is listed, never ranked.
+methods it cannot tell apart at ALPHA are marked. A diverged run, or one that aggregated too few
+of its rounds (MIN_AGGREGATED), is listed, never ranked.
 """
 
 from __future__ import annotations
@@ -18,19 +19,23 @@ import os
 import statistics
 import sys
 import tempfile
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
 from pfl_tasks.engine.evaluate import HIGHER_IS_BETTER
-from pfl_tasks.files import atomic_write, atomic_write_text
+from pfl_tasks.files import atomic_write, atomic_write_text, remove_stale_temporaries
 from pfl_tasks.runs import RunPaths
 from pfl_tasks.stats import TEST_NAME, holm, mean_ci, paired_pvalue
 from pfl_tasks.tracking import PLATEAU_TOLERANCE, ComparisonError, _sqlite_path, local_artifact_dir, pinned_run
 
 ALPHA = 0.05
+# a run that aggregated fewer than this fraction of its rounds (in the others no sampled client
+# reported: `federation.dropout`) barely trained: it is listed, never ranked, and its plateau
+# verdict does not count
+MIN_AGGREGATED = 0.5
 CLIENTS_TABLE = "clients_selected.csv"  # each client's metrics at the round selected on validation
 
 
@@ -48,7 +53,12 @@ def configured_runs(params, experiment: str, root: Path | None = None) -> dict[t
         where = f"learn2pfed/{experiment}" if name.startswith("learn2pfed-") else experiment
         for seed in exp.seeds:
             path = RunPaths.of(root, where, name, seed).metrics if root is not None else None
-            record = json.loads(path.read_text()) if path is not None and path.exists() else {}
+            try:
+                record = json.loads(path.read_text()) if path is not None and path.exists() else {}
+                if not isinstance(record, dict):
+                    raise ValueError(f"a JSON {type(record).__name__}, not an object")
+            except ValueError as err:  # garbled JSON or text
+                raise ComparisonError(f"{path}: not a metrics file ({err}): rerun its run's stage or delete it") from None
             runs[name, seed] = pinned_run(record)
     return runs
 
@@ -152,10 +162,18 @@ class MethodResult:
     clients: dict[int, np.ndarray]
     data_hashes: dict[int, str]  # seed -> its partition's hash: only runs on one partition pair up
     p_vs_best: float | None = None  # Holm-adjusted; None for the best and for the unranked
+    # seed -> (rounds aggregated, rounds run) of its finished runs that count their skipped rounds
+    aggregated: dict[int, tuple[int, int]] = field(default_factory=dict)
+
+    @property
+    def too_few_rounds(self) -> list[tuple[int, int, int]]:
+        """(seed, rounds aggregated, rounds run) of its runs below MIN_AGGREGATED: then it is not ranked."""
+        return [(seed, done, rounds) for seed, (done, rounds) in self.aggregated.items()
+                if done < MIN_AGGREGATED * rounds]
 
     @property
     def ranked(self) -> bool:
-        return not self.diverged and self.personalized is not None
+        return not self.diverged and not self.too_few_rounds and self.personalized is not None
 
     def indistinguishable(self) -> bool:
         return self.p_vs_best is not None and self.p_vs_best >= ALPHA
@@ -201,6 +219,9 @@ def method_result(client, method: str, by_seed: dict[int, object], metric: str) 
         None if up is None or down is None else up + down,
         bool(runs) and all(r.data.metrics.get("selected/personalized_is_global") == 1 for r in runs),
         personal, hashes,
+        aggregated={s: (int(r.data.metrics["final/round"] - r.data.metrics["final/rounds/skipped"]),
+                        int(r.data.metrics["final/round"]))
+                    for s, r in finished.items() if "final/rounds/skipped" in r.data.metrics},
     )
 
 
@@ -255,12 +276,23 @@ def marks(result: MethodResult, chosen: bool) -> str:
             + ("✓" if chosen else ""))
 
 
-def diverged_note(result: MethodResult) -> str:
-    return "diverged at " + ", ".join(f"round {at} (seed {seed})" for seed, at in result.diverged)
+def unranked_note(result: MethodResult) -> str:
+    """Why a method is not ranked."""
+    reasons = []
+    if result.diverged:
+        reasons.append("diverged at " + ", ".join(f"round {at} (seed {seed})" for seed, at in result.diverged))
+    if result.too_few_rounds:
+        reasons.append("too few rounds aggregated: " + ", ".join(
+            f"{done} of {rounds} (seed {seed})" for seed, done, rounds in result.too_few_rounds))
+    return "; ".join(reasons) or "no per-client results"
 
 
 def _count(value: float | None, unit: float, suffix: str) -> str:
     return "–" if value is None else f"{value / unit:.3g}{suffix}"
+
+
+def _aggregated(result: MethodResult) -> str:
+    return ", ".join(f"{done}/{rounds}" for done, rounds in result.aggregated.values()) or "–"
 
 
 def _plateau(result: MethodResult) -> str:
@@ -293,7 +325,8 @@ def protocol_lines() -> list[str]:
         f"≈: not significantly different from the best ({TEST_NAME}, α = {ALPHA}). "
         "†: the \"personalized\" model is the global model. "
         "✓: the best on validation (the same mean on the validation splits): what a sweep selects. "
-        "Diverged runs are listed, not ranked.",
+        f"Diverged runs, and runs that aggregated fewer than {MIN_AGGREGATED:.0%} of their rounds (in the others "
+        "no sampled client reported), are listed, not ranked.",
     ]
 
 
@@ -304,13 +337,15 @@ def markdown(experiment: str, metric: str, results: list[MethodResult], figures:
         "",
         *protocol_lines(),
         f"Plateaued: seeds whose mean validation metric over the last fifth of the rounds gained less than "
-        f"{tolerance} on the fifth before. Compute: samples × forward-backward passes over all clients, the whole run (+ one "
+        f"{tolerance} on the fifth before. Rounds aggregated: per seed, the rounds in which a sampled client "
+        "reported, of the rounds run. Compute: samples × forward-backward passes over all clients, the whole run (+ one "
         "evaluation's personalization). Communication: bytes up and down, the whole run. Runs: the newest "
         f"finished or diverged run of each configured method and seed in MLflow experiment `{experiment}`.",
         "",
         "| rank | method | seeds | validation | personalized, test (95% CI) | global, test (95% CI) "
-        "| worst 10% of clients | selected rounds | plateaued | compute | + per evaluation | communication |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| worst 10% of clients | selected rounds | rounds aggregated | plateaued | compute | + per evaluation "
+        "| communication |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     chosen = winner_on_validation(results)
     for i, r in enumerate((r for r in results if r.ranked), 1):
@@ -318,13 +353,13 @@ def markdown(experiment: str, metric: str, results: list[MethodResult], figures:
             f"| {i} | {r.method}{marks(r, r is chosen)} | {len(r.seeds)} "
             f"| {'–' if r.val is None else f'{r.val:.4f}'} | {interval(r.personalized)} | {interval(r.global_)} "
             f"| {'–' if r.worst10 is None else f'{r.worst10:.4f}'} | {', '.join(map(str, r.selected_rounds)) or '–'} "
-            f"| {_plateau(r)} | {_count(r.grad_samples, 1e6, 'M')} | {_count(r.eval_grad_samples, 1e6, 'M')} "
-            f"| {_count(r.comm_bytes, 2**20, ' MiB')} |"
+            f"| {_aggregated(r)} | {_plateau(r)} | {_count(r.grad_samples, 1e6, 'M')} "
+            f"| {_count(r.eval_grad_samples, 1e6, 'M')} | {_count(r.comm_bytes, 2**20, ' MiB')} |"
         )
     unranked = [r for r in results if not r.ranked]
     if unranked:
         lines += ["", "Not ranked:", ""]
-        lines += [f"- {r.method}: {diverged_note(r) if r.diverged else 'no per-client results'}" for r in unranked]
+        lines += [f"- {r.method}: {unranked_note(r)}" for r in unranked]
     lines.append("")
     lines += [f"![{caption}]({path})\n" for caption, path in figures.items()]
     return "\n".join(lines)
@@ -477,7 +512,10 @@ FIGURES = (  # file name, builder, caption
 
 def write_report(client, experiment: str, report_dir: Path, figure_dir: Path,
                  only: dict[tuple[str, int], str | None] | None = None) -> list[MethodResult]:
-    """`report_dir/<experiment>.md` and its PNGs in `figure_dir`; returns the ranking."""
+    """`report_dir/<experiment>.md` and its PNGs in `figure_dir`, after removing what a killed
+    writer left of their temporaries (call as their one writer); returns the ranking."""
+    remove_stale_temporaries(report_dir / f"{experiment}.md",
+                             *(figure_dir / f"{experiment}-{name}.png" for name, _, _ in FIGURES))
     newest = collect(client, experiment, only)
     metric = primary_metric(newest)
     results = summarize(client, newest, metric)

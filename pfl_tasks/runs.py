@@ -6,7 +6,7 @@ outputs, and a failure path that leaves nothing RUNNING and nothing half-written
         state = ... run.resumed ...             # None, or the checkpoint to resume from
         run.track(experiment, params, tags)
         run.snapshot = lambda: {...}            # the checkpoint of the state between steps
-        for step in run.steps(start):           # stops between steps on SIGTERM/SIGINT
+        for step in run.steps(start):           # stops between steps on SIGTERM/SIGHUP/SIGINT
             with run.mutating():                # the step and its evaluation: inconsistent in here
                 state = ...; history.append(...)
             ... checkpoint ...; run.log(history)
@@ -15,7 +15,8 @@ outputs, and a failure path that leaves nothing RUNNING and nothing half-written
 `unit` ("round", "epoch") is also the step key of the history records. On an exception or
 signal the run saves `snapshot()` if the state is consistent, marks its MLflow run FAILED
 (KILLED for a signal) with the reason, and re-raises. A first signal finishes the step under
-way; a second stops at once.
+way; a second stops at once. After a signal no store is waited for: a store call that waits is
+given up (while steps remain), and the KILLED mark gets a 5 s try.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from pathlib import Path
 
 from pfl_tasks.config import TrackingConfig
 from pfl_tasks.engine.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from pfl_tasks.files import OutputLock, remove_stale_temporaries
+from pfl_tasks.files import OutputLock, OutputLockedError, check_output_dir, remove_stale_temporaries
 from pfl_tasks.tracking import MlflowRun, TrackingError, flatten, headline, pin, progress, write_dvc_outputs
 
 
@@ -58,29 +59,50 @@ class RunPaths:
             lock=root / ".locks" / experiment / run_name / f"seed-{seed}.lock",
         )
 
+    def check_writable(self) -> None:
+        """Every output's folder is, or can be made as, a writable folder (OutputPathError)."""
+        for path in (self.checkpoint, self.metrics, self.curve, self.lock):
+            check_output_dir(path.parent)
+
+
+# the identity keys `--on-config-change resume` may continue under: when to evaluate and
+# checkpoint (the budget, `federation.rounds`, is no part of an identity). Every other key (the
+# clients and their data, the model, the algorithm, local training, the numeric code) decides
+# the trained state: a run continued under another would be neither configuration's run.
+RESUMABLE = frozenset({"experiment.federation.eval_every", "experiment.federation.checkpoint_every"})
+
 
 def resume_point(path: Path, identity: dict, total: int, on_config_change: str) -> dict | None:
-    """The checkpoint to resume from, None to start fresh; raises on foreign/corrupt files."""
+    """The checkpoint to resume from, None to start fresh; raises on foreign/corrupt files and
+    on a checkpoint no `on_config_change` but restart may continue (one of another federation,
+    data, model or training, or past `total`)."""
     if not path.exists():
         return None
     ckpt = load_checkpoint(path, {k: identity[k] for k in ("experiment", "algorithm")})
-    problem = None
-    if ckpt["config_hash"] != identity["config_hash"]:
-        old, new = json.loads(ckpt["config"]), json.loads(identity["config"])
-        changed = sorted(set(flatten(old).items()) ^ set(flatten(new).items()))
-        problem = f"configuration changed ({', '.join(sorted({k for k, _ in changed}))})"
-    elif ckpt["round"] > total:
-        problem = f"it is at step {ckpt['round']}, beyond the configured {total}"
+    problem = unresumable = None
+    if ckpt["round"] > total:
+        problem = unresumable = f"it is at step {ckpt['round']}, beyond the configured {total}"
+    elif ckpt["config_hash"] != identity["config_hash"]:
+        old, new = flatten(json.loads(ckpt["config"])), flatten(json.loads(identity["config"]))
+        changed = sorted(key for key in old.keys() | new.keys() if old.get(key) != new.get(key))
+        problem = f"configuration changed ({', '.join(changed)})"
+        fixed = [f"{key} {old.get(key, '(unset)')} -> {new.get(key, '(unset)')}" for key in changed
+                 if key not in RESUMABLE]
+        if fixed:
+            unresumable = f"its clients, data, model, training or code differ from this run's ({'; '.join(fixed)})"
     elif "platform" in identity and ckpt.get("platform") != identity["platform"]:
         problem = (f"it was computed on {ckpt.get('platform', 'an unrecorded platform')}, this run computes on "
                    f"{identity['platform']} (the numbers would mix both)")
-    if problem is not None and on_config_change == "resume":
-        print(f"{path}: {problem}; resuming anyway (--on-config-change resume)", file=sys.stderr)
-    if problem is None or on_config_change == "resume":
+    if problem is None:
         return ckpt
     if on_config_change == "restart":
         print(f"{path}: {problem}; starting afresh")
         return None
+    if unresumable is not None:
+        raise CheckpointError(f"{path}: cannot resume: {unresumable}. Pass --on-config-change restart to start afresh.")
+    if on_config_change == "resume":
+        print(f"{path}: {problem}; resuming anyway (--on-config-change resume)", file=sys.stderr)
+        return ckpt
     raise CheckpointError(
         f"{path}: {problem}. Pass --on-config-change restart to discard it, "
         "or --on-config-change resume to continue from it anyway."
@@ -88,7 +110,7 @@ def resume_point(path: Path, identity: dict, total: int, on_config_change: str) 
 
 
 class RunStopped(BaseException):
-    """SIGTERM or SIGINT asked the run to stop (a BaseException, as KeyboardInterrupt: no
+    """SIGTERM, SIGHUP or SIGINT asked the run to stop (a BaseException, as KeyboardInterrupt: no
     `except Exception` on the way may swallow it)."""
 
     def __init__(self, signum: int):
@@ -117,6 +139,7 @@ class Run:
 
     # ------------------------------------------------------------------------- lifecycle
     def __enter__(self) -> Run:
+        self.paths.check_writable()
         self._lock.__enter__()
         try:
             remove_stale_temporaries(self.paths.checkpoint, self.paths.metrics, self.paths.curve)
@@ -127,14 +150,15 @@ class Run:
             self._lock.__exit__()
             raise
         if threading.current_thread() is threading.main_thread():
-            self._handlers = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+            self._handlers = {sig: signal.signal(sig, self._on_signal)
+                              for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)}
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
         try:
             if self.bar is not None:
                 self.bar.close()
-            if exc is not None:
+            if exc is not None and not isinstance(exc, OutputLockedError):  # else its outputs are another's now
                 self._fail(exc)
         finally:
             for sig, handler in self._handlers.items():
@@ -150,6 +174,13 @@ class Run:
         print(f"{self.label}: {signal.Signals(signum).name}: stopping after this {self.unit} "
               "(again to stop at once)", file=sys.stderr, flush=True)
 
+    def _stopping(self) -> None:
+        """Called while a store call waits (a locked or unreachable store): after a stop request
+        it gives the call up, while steps remain (MLflow gets their records on resume); a run
+        whose steps are all done completes its record, unless a second signal stops it."""
+        if self._stop is not None and self.done < self.total:
+            raise RunStopped(self._stop)
+
     def _fail(self, exc: BaseException) -> None:
         status = "KILLED" if isinstance(exc, (RunStopped, KeyboardInterrupt)) else "FAILED"
         where = f"during {self.unit} {self.done + 1}"
@@ -162,9 +193,9 @@ class Run:
                 print(f"{self.label}: could not checkpoint on failure: {err!r}", file=sys.stderr)
         if self.tracker is None:
             return
-        try:  # a store that just failed gets a short last try
+        try:  # a store that just failed, or a stop request, gets a short last try
             self.tracker.finish(status, f"{type(exc).__name__} {where}: {exc}",
-                                bound=5.0 if isinstance(exc, TrackingError) else None)
+                                bound=5.0 if isinstance(exc, TrackingError) or self._stop is not None else None)
         except (Exception, RunStopped) as err:
             print(f"{self.label}: MLflow run {self.tracker.run_id} left RUNNING, not marked {status} ({err}); "
                   "a rerun resumes it", file=sys.stderr)
@@ -184,7 +215,8 @@ class Run:
         key = {"experiment": self.identity["experiment"], "variant": self.identity["algorithm"],
                "seed": str(self.seed), "host": socket.gethostname()}
         self.tracker = MlflowRun(self.tracking.mlflow_uri, experiment, f"{self.identity['algorithm']}-seed{self.seed}",
-                                 run_id, self.tracking.retry_seconds, tags={**key, "pid": str(os.getpid())})
+                                 run_id, self.tracking.retry_seconds, tags={**key, "pid": str(os.getpid())},
+                                 stopping=self._stopping)
         self.tracker.fail_stale_runs(key, "its process died (found RUNNING by a later run of the same output)")
         self.tracker.log_params_and_tags(params, tags)
         history = self.resumed.get("history", []) if self.resumed else []
@@ -219,6 +251,7 @@ class Run:
         self._consistent = False
         yield
         self._consistent = True
+        self._lock.verify()  # before anything of the step is written
 
     def note(self, summary: str, at: int | None = None) -> None:
         """The latest metrics on the progress bar, and a log line when `at` names the step (with
@@ -239,6 +272,7 @@ class Run:
         """DVC metrics (the `headline` of `final`, pinned to the MLflow run: what reports read
         for this output) and curve, every final metric and `artifacts(dir)`'s files to MLflow,
         FINISHED."""
+        self._lock.verify()
         write_dvc_outputs(self.paths.metrics, self.paths.curve,
                           {"status": "finished", **headline(final), **pin(self.tracker.run_id)}, curve)
         self.tracker.log_metrics(final, step=self.total)
@@ -254,6 +288,7 @@ class Run:
         """A NaN or infinity in the state at step `at`: a failed run, never a result. The DVC
         metrics say so (`status: diverged`), MLflow marks the run FAILED with the step and reason
         (tag `diverged_at`), and the last checkpoint stays, from before the divergence."""
+        self._lock.verify()
         record = {"status": "diverged", "diverged_at": at, "reason": reason, **pin(self.tracker.run_id)}
         write_dvc_outputs(self.paths.metrics, self.paths.curve, record, curve)
         self.tracker.set_tag("diverged_at", str(at))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import csv
 import fcntl
@@ -10,6 +11,9 @@ import json
 import math
 import os
 import subprocess
+import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -278,24 +282,41 @@ def _transient(err: BaseException) -> bool:
     return False
 
 
-def retrying(call, what: str, bound: float, first_wait: float = 0.5):
+def retrying(call, what: str, bound: float, first_wait: float = 0.5, stopping: Callable[[], None] = lambda: None):
     """`call()`, retried with exponential backoff (0.5 s doubling to 8 s) while it fails
-    transiently, for at most `bound` seconds; then TrackingError."""
-    import time
+    transiently, for at most `bound` seconds; then TrackingError. The tries run on a thread of
+    their own while this one waits in slices of 0.1 s, so that signals are handled at once and
+    one by one (sqlite waits out a locked store for 20 s in C, where they would wait and merge),
+    and `stopping()`, called between slices, may give the call up by raising (a stop request).
+    A call given up tries no more; a try under way ends on its own."""
+    deadline, given_up, result, latest = time.monotonic() + bound, threading.Event(), concurrent.futures.Future(), []
 
-    deadline, wait = time.monotonic() + bound, first_wait
-    while True:
-        try:
-            return call()
-        except Exception as err:
-            if not _transient(err):
-                raise
-            if time.monotonic() + wait > deadline:
-                first = str(err).strip().splitlines()[0][:200]
-                raise TrackingError(f"MLflow store unavailable for {bound:g} s ({what}: {first}); "
-                                    "the run is checkpointed and resumes when rerun") from None
-            time.sleep(wait)
-            wait = min(2 * wait, 8.0)
+    def tries() -> None:
+        pause = first_wait
+        while not given_up.is_set():
+            try:
+                result.set_result(call())
+                return
+            except Exception as err:
+                if not _transient(err):
+                    result.set_exception(err)
+                    return
+                latest[:] = [err]
+            time.sleep(pause)
+            pause = min(2 * pause, 8.0)
+
+    threading.Thread(target=tries, name=f"MLflow {what}", daemon=True).start()
+    try:
+        while not concurrent.futures.wait([result], timeout=min(0.1, max(deadline - time.monotonic(), 0.0))).done:
+            if time.monotonic() >= deadline:
+                last = str(latest[0]).strip().splitlines()[0][:200] if latest else "no answer"
+                raise TrackingError(f"MLflow store unavailable for {bound:g} s ({what}: {last}); "
+                                    "the run is checkpointed and resumes when rerun")
+            stopping()
+    except BaseException:
+        given_up.set()
+        raise
+    return result.result()
 
 
 @contextlib.contextmanager
@@ -379,13 +400,14 @@ class MlflowRun:
     store is retried while it fails transiently, up to `retry_seconds`."""
 
     def __init__(self, uri: str, experiment: str, run_name: str, run_id: str | None, retry_seconds: float = 120.0,
-                 tags: dict[str, str] | None = None):
-        """`tags` are set at creation (or on resume), so a run is findable from its first moment."""
+                 tags: dict[str, str] | None = None, stopping: Callable[[], None] = lambda: None):
+        """`tags` are set at creation (or on resume), so a run is findable from its first moment;
+        `stopping` may give up a store call that waits (see `retrying`)."""
         import mlflow
         from mlflow.entities import RunTag
         from mlflow.tracking import MlflowClient
 
-        self.retry_seconds = retry_seconds
+        self.retry_seconds, self.stopping = retry_seconds, stopping
         self.client = MlflowClient(tracking_uri=tracking_uri(uri))
         exp = self._call("get experiment", self.client.get_experiment_by_name, experiment)
         exp_id = exp.experiment_id if exp else self._call(
@@ -416,7 +438,11 @@ class MlflowRun:
                 self.finish("FAILED", f"{type(exc).__name__}: {exc}", bound=5.0)
 
     def _call(self, what: str, fn, *args, bound: float | None = None, **kwargs):
-        return retrying(lambda: fn(*args, **kwargs), what, self.retry_seconds if bound is None else bound)
+        """`fn(*args, **kwargs)`, retried for `retry_seconds`; with a `bound`, a last try that
+        records how the run ended (after a failure or a stop): no stop request gives it up."""
+        if bound is not None:
+            return retrying(lambda: fn(*args, **kwargs), what, bound)
+        return retrying(lambda: fn(*args, **kwargs), what, self.retry_seconds, stopping=self.stopping)
 
     def log_params_and_tags(self, params: dict[str, str], tags: dict[str, str]) -> None:
         from mlflow.entities import Param, RunTag
@@ -431,8 +457,6 @@ class MlflowRun:
 
     def log_records(self, records: list[dict], step_key: str) -> None:
         """Each record's values at the step `record[step_key]`, in as few calls as MLflow allows."""
-        import time
-
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)

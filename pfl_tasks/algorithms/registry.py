@@ -32,12 +32,12 @@ def build(run_name: str, raw: dict[str, Any], where: str | None = None):
     try:
         return cls(cls.Hyper.model_validate(raw))
     except ValidationError as err:
-        lines = [
-            f"  {where}.{'.'.join(map(str, e['loc']))}: {e['msg']}"
+        problems = [
+            f"{where}.{'.'.join(map(str, e['loc']))}: {e['msg']}"
             + (f" (allowed: {sorted(cls.Hyper.model_fields)})" if e["type"] == "extra_forbidden" else "")
             for e in err.errors()
         ]
-        raise ConfigError("invalid configuration:\n" + "\n".join(lines)) from None
+        raise ConfigError("; ".join(problems)) from None  # one line, as a stage prints it
 
 
 def hyper_parameters(run_name: str, raw: dict[str, Any], *, defaults: bool = True) -> dict[str, Any]:

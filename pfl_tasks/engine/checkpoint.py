@@ -29,7 +29,8 @@ def load_checkpoint(path: Path, expect: dict[str, str]) -> dict:
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # corrupt, truncated or not a torch file at all
-        raise CheckpointError(f"{path}: not a readable checkpoint ({type(err).__name__}: {err})") from None
+        first = (str(err).strip().splitlines() or [""])[0]  # torch's own explanation runs to many lines
+        raise CheckpointError(f"{path}: not a readable checkpoint ({type(err).__name__}: {first})") from None
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
         raise CheckpointError(f"{path}: not a {FORMAT} file (foreign checkpoint?)")
     for key, value in expect.items():

@@ -12,12 +12,13 @@ import os
 
 import torch
 
-from pfl_tasks.config import EngineConfig
+from pfl_tasks.config import ConfigError, EngineConfig
 
 
 def resolve_device(name: str) -> torch.device:
     if name == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("engine.device is 'cuda' but no CUDA device is available")
+        raise ConfigError("engine.device is 'cuda' but torch sees no CUDA device here: "
+                          "set engine.device: cpu (or auto)")
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     # indexed, as the device of a tensor on it is: `t.device == device` must hold there
