@@ -134,18 +134,17 @@ def json_text(record: dict) -> str:
 
 # a run's DVC metrics file: its headline under short keys (`dvc metrics show` and `dvc exp show`
 # fit a terminal; MLflow has every summary): the round selected on validation, the personalized
-# model's mean metric there on validation and test, the global model's on test, the worst 10% of
-# clients on test, the plateau verdict; `<m>` is the task's metric (acc or mse)
-HEADLINE = {"round": "selected/round", "val_{m}": "selected/val/personalized/{m}_mean",
-            "test_{m}": "selected/test/personalized/{m}_mean", "global_{m}": "selected/test/global/{m}_mean",
-            "worst10_{m}": "selected/test/personalized/{m}_worst10", "plateau": "plateau/reached"}
+# model's mean metric there (accuracy or MSE, the task's) on validation and test, the global
+# model's on test, the worst 10% of clients on test, the plateau verdict
+HEADLINE = {"round": "selected/round", "val": "selected/val/personalized/{m}_mean",
+            "test": "selected/test/personalized/{m}_mean", "global": "selected/test/global/{m}_mean",
+            "worst10": "selected/test/personalized/{m}_worst10", "plateau": "plateau/reached"}
 PINNED_RUN = "mlflow_run"  # the MLflow run the numbers are, as a one-item list: DVC's tables skip lists
 
 
 def headline(final: dict[str, float]) -> dict[str, float]:
     metric = "mse" if "selected/test/personalized/mse_mean" in final else "acc"
-    return {short.format(m=metric): final[key.format(m=metric)] for short, key in HEADLINE.items()
-            if key.format(m=metric) in final}
+    return {short: final[key.format(m=metric)] for short, key in HEADLINE.items() if key.format(m=metric) in final}
 
 
 def pin(run_id: str) -> dict[str, list[str]]:

@@ -81,14 +81,14 @@ def test_dvc_repro_runs_caches_and_reruns_only_what_changed(repo_copy):
     for alg in ("local", "fedavg", "fedprox", "ditto"):
         assert (root / f"models/tiny/{alg}/seed-0/checkpoint.pt").exists()
         final = json.loads((root / f"metrics/tiny/{alg}/seed-0.json").read_text())
-        assert final["status"] == "finished" and final["round"] in (1, 2) and 0 <= final["test_acc"] <= 1
-        assert set(final) <= {"status", "round", "val_acc", "test_acc", "global_acc", "worst10_acc", "plateau",
+        assert final["status"] == "finished" and final["round"] in (1, 2) and 0 <= final["test"] <= 1
+        assert set(final) <= {"status", "round", "val", "test", "global", "worst10", "plateau",
                               "mlflow_run"}  # the headline: every summary is in MLflow
         header = (root / f"plots/tiny/{alg}/seed-0.csv").read_text().splitlines()[0]
         assert header == "round,val/personalized,test/personalized,test/global"
     for supervision in ("train", "val"):
         final = json.loads((root / f"metrics/learn2pfed/tiny/learn2pfed-{supervision}/seed-0.json").read_text())
-        assert 0 <= final["test_acc"] <= 1
+        assert 0 <= final["test"] <= 1
     assert "| learn2pfed-val |" in (root / "reports/markdown/tiny.md").read_text()
     report = (root / "reports/compare/tiny.md").read_text()
     assert "| learn2pfed-val" in report
@@ -97,7 +97,7 @@ def test_dvc_repro_runs_caches_and_reruns_only_what_changed(repo_copy):
     # DVC's views fit a terminal (the run pin, a list, is not a column), and `dvc plots show`
     # renders offline: image plots only, no Vega scripts from a CDN
     shown = sh([*dvc, "metrics", "show", "--md", "metrics/tiny"], root, env)
-    assert "test_acc" in shown and "mlflow_run" not in shown and max(map(len, shown.splitlines())) <= 120
+    assert "worst10" in shown and "mlflow_run" not in shown and max(map(len, shown.splitlines())) <= 120
     sh([*dvc, "plots", "show", "-o", "dvc_plots"], root, env)
     page = (root / "dvc_plots/index.html").read_text()
     assert "<img" in page and "<script" not in page
@@ -164,7 +164,7 @@ def test_dvc_exp_run_S_changes_a_default_hyper_parameter_and_reruns_only_its_run
         assert ran(out) == {"train-tiny", "tables", "compare"}
         assert "tiny: 3 of 4 runs already finished under the same config, data and code: kept" in out
         assert {alg for alg, run in before.items() if pinned(root, alg) != run} == {"ditto"}
-        scores.append(json.loads((root / "metrics/tiny/ditto/seed-0.json").read_text())["val_acc"])
+        scores.append(json.loads((root / "metrics/tiny/ditto/seed-0.json").read_text())["val"])
     assert scores[0] != scores[1]
 
 
@@ -180,7 +180,7 @@ def test_dvc_exp_apply_then_compare_reports_that_experiments_numbers(repo_copy):
         sh([*dvc, "exp", "apply", name], root, env)
         assert final_round(root, "fedavg") == rounds
         sh([sys.executable, "-m", "flows.compare", "tiny"], root, env)
-        test_acc = json.loads((root / "metrics/tiny/fedavg/seed-0.json").read_text())["test_acc"]
+        test_acc = json.loads((root / "metrics/tiny/fedavg/seed-0.json").read_text())["test"]
         row = next(line for line in (root / "reports/compare/tiny.md").read_text().splitlines() if "| fedavg" in line)
         assert f"{test_acc:.4f}" in row, (name, test_acc, row)
     # the README's `dvc exp show`: experiments x the params varied x methods' means, in a terminal
