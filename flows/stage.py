@@ -172,7 +172,8 @@ def _drop(worker) -> int:
         while True:
             dropped += worker._queue.get_nowait() is not None
     worker._queue.put_nowait(None)  # its end
-    worker._loop.call_soon_threadsafe(worker._done_event.set)
+    with contextlib.suppress(RuntimeError):  # its loop already closed: it has ended
+        worker._loop.call_soon_threadsafe(worker._done_event.set)
     return dropped
 
 

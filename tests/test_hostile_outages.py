@@ -80,7 +80,8 @@ def test_hostile_outage_of_the_stages_prefect_server_ends_the_stage_within_secon
     assert lines.count(f"the stage's Prefect server had not taken the last logs and events after {DRAIN_SECONDS:g} s: "
                        "the 99 still queued are lost") == 1, out.stderr
     assert len([line for line in lines if re.fullmatch(
-        "the stage's Prefect server died: the (99|100) logs and events its client still held are lost", line)]) == 1
+        r"the stage's Prefect server died: the \d+ logs and events its client still held are lost", line)]) == 1, \
+        out.stderr
     took = {what: float(seconds) for what, seconds in re.findall(r"^(.+) took ([\d.]+) s$", out.stderr, re.M)}
     assert DRAIN_SECONDS <= took["stalled"] < DRAIN_SECONDS + 2 and took["killed"] < 2, out.stderr
     assert took["exit drain"] < 1, out.stderr
