@@ -24,11 +24,12 @@ from pathlib import Path
 
 import torch
 
-from bench.run import HYPER, digits_shaped, experiment, interleaved, one_round, p1, p3
+from bench.common import HYPER, digits_shaped, experiment, interleaved, one_round, p1, p3
 from pfl_tasks.algorithms import build
-from pfl_tasks.algorithms.federation import Federation, InlineSteps, run_round
 from pfl_tasks.engine.checkpoint import load_checkpoint, save_checkpoint
+from pfl_tasks.engine.federation import Federation
 from pfl_tasks.engine.state import leaves
+from pfl_tasks.engine.steps import InlineSteps, run_round
 
 REPS = 3
 

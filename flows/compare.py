@@ -20,8 +20,8 @@ import flows  # noqa: F401  (environment defaults)
 from flows.stage import stage_main
 from pfl_tasks.config import load_params
 from pfl_tasks.files import OutputLock, atomic_write_text, remove_stale_temporaries
+from pfl_tasks.outputs import json_text
 from pfl_tasks.reports import best_line, configured_runs, results_store, write_report
-from pfl_tasks.tracking import json_text
 from pfl_tasks.tracking import tracking_uri as configured_uri
 
 REPORTS = Path("reports/compare")

@@ -30,17 +30,17 @@ from pfl_tasks.algorithms.learn2pfed import Cells
 from pfl_tasks.algorithms.learn2pfed_meta import (
     costs, evaluate, make_optimizer, meta_epoch, padded_problem, participation,
 )
-from pfl_tasks.config import ConfigError, Learn2pFedConfig, ResolvedExperiment, config_hash, load_params
+from pfl_tasks.config import Learn2pFedConfig, ResolvedExperiment, config_hash, load_params
 from pfl_tasks.data import FederatedData, load_partition, partition_dir
 from pfl_tasks.data.store import read_manifest
-from pfl_tasks.engine.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from pfl_tasks.engine.checkpoint import load_checkpoint, save_checkpoint
+from pfl_tasks.errors import CheckpointError, ConfigError
 from pfl_tasks.imports import ROOT, code_hash, numeric_code
 from pfl_tasks.nets import build_net, embed, head_keys, split_net
+from pfl_tasks.outputs import per_client_rows, write_csv
 from pfl_tasks.runs import Run, RunPaths
-from pfl_tasks.tracking import (
-    final_metrics, flatten, open_store, per_client_rows, run_tags, summarize_eval, tracking_uri,
-    write_csv,
-)
+from pfl_tasks.selection import final_metrics, summarize_eval
+from pfl_tasks.tracking import flatten, open_store, run_tags, tracking_uri
 
 TASK_OPTIONS = dict(cache_policy=NO_CACHE, persist_result=False)
 
@@ -199,20 +199,22 @@ def learn2pfed_flow(experiment: str, supervision: str, seed: int, params_path: s
                     "history": history, "mlflow_run_id": run.tracker.run_id, "seed": seed}
 
         run.snapshot = snapshot
+
+        def advance(start: int, stop: int) -> tuple[int, str] | None:
+            block = meta_epochs(cells, opt, cfg, problems, start, stop)
+            history.extend({"epoch": e, "meta/loss": sup, "meta/fit_loss": fit}
+                           for e, (sup, fit) in enumerate(block, start))
+            broken = [h["epoch"] for h in history[start:] if not math.isfinite(h["meta/loss"])]
+            if broken or not all(torch.isfinite(p).all() for p in cells.parameters()):
+                at = broken[0] + 1 if broken else stop
+                return at, f"meta loss or Theta not finite after meta-epoch {at}"
+            return None
+
         every = cfg.meta.checkpoint_every
-        for start in run.steps(len(history), every):
-            stop = min(start + every, cfg.meta.epochs)
-            with run.mutating():
-                block = meta_epochs(cells, opt, cfg, problems, start, stop)
-                history += [{"epoch": e, "meta/loss": sup, "meta/fit_loss": fit}
-                            for e, (sup, fit) in enumerate(block, start)]
-                broken = [h["epoch"] for h in history[start:] if not math.isfinite(h["meta/loss"])]
-                if broken or not all(torch.isfinite(p).all() for p in cells.parameters()):
-                    at = broken[0] + 1 if broken else stop
-                    return run.diverged(at, f"meta loss or Theta not finite after meta-epoch {at}", [])
-            checkpoint(paths.checkpoint, stop, snapshot())
-            run.log(history)
-            run.note(f"meta loss={history[-1]['meta/loss']:.4f}")
+        diverged = run.play(len(history), every, advance, checkpoint, every, history,
+                            lambda stop: f"meta loss={history[-1]['meta/loss']:.4f}")
+        if diverged is not None:
+            return run.diverged(*diverged, [])
 
         per_client = evaluate_clients(cells, cfg, problems)
         per_client = {"test": per_client}

@@ -29,7 +29,8 @@ from flows.stage import prefect_api, stage_main
 from flows.tables import write_tables
 from flows.train import train_experiment
 from pfl_tasks.algorithms import validate_params
-from pfl_tasks.config import ConfigError, Params, load_params
+from pfl_tasks.config import Params, load_params
+from pfl_tasks.errors import ConfigError
 from pfl_tasks.tracking import tracking_uri
 
 STEP_OPTIONS = dict(cache_policy=NO_CACHE, persist_result=False)

@@ -17,9 +17,10 @@ from pathlib import Path
 
 import flows  # noqa: F401  (environment defaults)
 from flows.stage import stage_main
-from pfl_tasks.config import ConfigError, load_params
+from pfl_tasks.config import load_params
 from pfl_tasks.data import PARTITIONS, build_partition, write_partition
-from pfl_tasks.files import OutputLock, OutputLockedError
+from pfl_tasks.errors import ConfigError, OutputLockedError
+from pfl_tasks.files import OutputLock
 
 
 def prepare(dataset: str, params_path: str = "params.yaml", out_root: Path = PARTITIONS) -> Path:

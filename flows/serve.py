@@ -22,14 +22,16 @@ from flows.pipeline import pipeline_flow, repro_flow
 from flows.stage import check_prefect_api
 from flows.sweep import sweep_flow
 from pfl_tasks.algorithms import validate_params
-from pfl_tasks.config import ConfigError, SweepConfig, load_params, parse_params
+from pfl_tasks.config import SweepConfig, load_params, parse_params
+from pfl_tasks.errors import ConfigError
+from pfl_tasks.grid import sweep_params
 
 DEFAULT_SWEEP = SweepConfig(name="digits-sweep", experiment="digits", algorithms=["fedavg", "ditto", "fedrep"],
                             seeds=[0, 1, 2], overrides={"federation.rounds": 20})
 
 
 def deployments(cron: str, sweep: SweepConfig, sweep_cron: str | None, params_file: str) -> dict:
-    validate_params(parse_params(sweep.params()))
+    validate_params(parse_params(sweep_params(sweep)))
     validate_params(load_params(params_file))
     return {
         "nightly": repro_flow.to_deployment(

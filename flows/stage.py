@@ -24,14 +24,10 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 
-from pfl_tasks.config import ConfigError
-from pfl_tasks.data import DataValidationError
-from pfl_tasks.data.partition import PartitionError
-from pfl_tasks.data.sources import SourceError
-from pfl_tasks.engine.checkpoint import CheckpointError
-from pfl_tasks.files import OutputLockedError, OutputPathError
-from pfl_tasks.runs import RunStopped
-from pfl_tasks.tracking import ComparisonError, TrackingError
+from pfl_tasks.errors import (
+    CheckpointError, ComparisonError, ConfigError, DataValidationError, OutputLockedError, OutputPathError,
+    PartitionError, RunStopped, SourceError, TrackingError,
+)
 
 EXPECTED = (ConfigError, DataValidationError, PartitionError, SourceError, CheckpointError, OutputLockedError,
             OutputPathError, TrackingError, ComparisonError)

@@ -1,9 +1,10 @@
 """Writes dvc.yaml from params.yaml: one `train-<experiment>` stage per experiment, each one
-process (one start-up for all its runs). Each stage depends on the params keys its runs read
-and on the code that can change their numbers (`pfl_tasks.imports.numeric_code`), and its
-flow skips every run whose checkpoint is finished under the same identity: editing one
-algorithm's module retrains only that algorithm's runs (and reruns the reports after them),
-and editing the flows, tracking or reports retrains nothing. `make run` writes it before
+process (one start-up for all its runs). Each stage depends on the params keys its runs read,
+on the code that can change their numbers (`pfl_tasks.imports.numeric_code`) and on the
+training loop, and its flow skips every run whose checkpoint is finished under the same
+identity: editing one algorithm's module retrains only that algorithm's runs (and reruns the
+reports after them), and editing the flows, the MLflow store, run outputs or reports reruns
+no train stage. `make run` writes it before
 `dvc repro`; after changing an experiment's list of algorithms, run it yourself:
 
     python -m flows.stages            # dvc.yaml from params.yaml
@@ -22,7 +23,8 @@ import flows  # noqa: F401  (environment defaults)
 from flows.learn2pfed import learn2pfed_code
 from flows.stage import stage_main, stage_name
 from pfl_tasks.algorithms import hyper_parameters, source_file, validate_params
-from pfl_tasks.config import ConfigError, load_params, read_params
+from pfl_tasks.config import load_params, read_params
+from pfl_tasks.errors import ConfigError
 from pfl_tasks.files import atomic_write_text
 from pfl_tasks.imports import ROOT, numeric_code, run_code
 
@@ -46,7 +48,7 @@ def train_stage(params, raw: dict, experiment: str) -> dict:
     # persistent outputs: DVC leaves them in place, and the flow keeps the runs it skips
     return {
         "cmd": f"python -m flows.train {experiment} --on-config-change restart",
-        "deps": [f"data/partitions/{exp.dataset}", "flows/train.py", *map(str, code)],
+        "deps": [f"data/partitions/{exp.dataset}", "pfl_tasks/training.py", *map(str, code)],
         "params": GLOBAL_KEYS + keys,
         # the learning curves are data (the reports draw them): DVC's own plots would be Vega
         # charts that load their scripts from a CDN, blank offline

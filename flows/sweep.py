@@ -2,16 +2,19 @@
 run as its own experiment `<experiment>-<name>` in `sweeps/<name>/` (its params, partition,
 checkpoints, metrics and comparison report), logged to MLflow under that experiment name.
 
-Meant for the Prefect UI (deployment `pfl-sweep/sweep`, "Custom run"); from a shell, as JSON
-or, simpler, through `flows.train`:
+Meant for the Prefect UI (deployment `pfl-sweep/sweep`, "Custom run"); from a shell, with
+options or as JSON:
 
+    python -m flows.sweep digits --algorithms ditto fedavg --set algorithms.ditto.mu=0.01,0.1,1
+    python -m flows.sweep digits --algorithms fedavg ditto --set local.optimizer.lr=0.1,0.2 --name lr
+    python -m flows.sweep digits --algorithms fedavg --seeds 7 8      # runs the params file does not configure
     python -m flows.sweep '{"name": "lr", "experiment": "digits", "algorithms": ["fedavg", "ditto"],
                             "overrides": {"federation.rounds": 50}, "grid": {"local.optimizer.lr": [0.1, 0.2]}}'
-    python -m flows.train digits --algorithms fedavg ditto --set local.optimizer.lr=0.1,0.2 --name lr
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 import tempfile
@@ -20,14 +23,16 @@ from pathlib import Path
 import flows  # noqa: F401  (environment defaults)
 import yaml
 from prefect import flow
+from pydantic import ValidationError
 
 from flows.pipeline import pipeline_flow
 from flows.stage import check_prefect_api, prefect_api, stage_main
 from pfl_tasks.algorithms import validate_params
-from pfl_tasks.config import SweepConfig, parse_params
+from pfl_tasks.config import SweepConfig, load_params, parse_params
+from pfl_tasks.errors import ConfigError, RunStopped
 from pfl_tasks.files import atomic_write_text
+from pfl_tasks.grid import parse_assignment, sweep_params
 from pfl_tasks.reports import best_line, selection_metric, winner_on_validation
-from pfl_tasks.runs import RunStopped
 from pfl_tasks.tracking import MlflowRun, open_store, tracking_uri
 
 SWEEPS = Path("sweeps")
@@ -39,7 +44,7 @@ def sweep_flow(sweep: SweepConfig, root: str = ".") -> dict:
     `<root>/sweeps/<name>/params.yaml` and runs the pipeline there; returns, per experiment of the
     sweep, the ranking (on test) and the method best on validation (its MethodResult), the
     sweep's choice."""
-    raw = sweep.params()
+    raw = sweep_params(sweep)
     validate_params(parse_params(raw))
     root = Path(root) / SWEEPS / sweep.name
     params_path = root / "params.yaml"
@@ -63,7 +68,7 @@ def run_sweep(sweep: SweepConfig, root: str = ".") -> None:
     whose children are its training runs (tags `mlflow.parentRunId`, `sweep`); the parent ends
     FINISHED, FAILED, or KILLED by a signal, as its children do. The parent holds the grid
     (params `grid.<key>`) and, once the sweep ends, its choice (`record_choice`)."""
-    params = validate_params(parse_params(sweep.params()))
+    params = validate_params(parse_params(sweep_params(sweep)))
     check_prefect_api()
     open_store(tracking_uri(params.tracking.mlflow_uri))
     parent = None
@@ -106,15 +111,42 @@ def record_choice(parent: MlflowRun, results: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 1 or argv[0] in ("-h", "--help"):
-        print(__doc__)
-        return 0 if argv and argv[0] in ("-h", "--help") else 2
     try:
-        sweep = SweepConfig.model_validate(json.loads(argv[0]))
-    except ValueError as err:
+        if len(argv) == 1 and argv[0].startswith("{"):
+            sweep, root = SweepConfig.model_validate(json.loads(argv[0])), "."
+        else:
+            sweep, root = from_command_line(argv)
+        validate_params(parse_params(sweep_params(sweep)))
+    except ValueError as err:  # ConfigError, pydantic's, JSON's
         print(f"sweep failed: {err}", file=sys.stderr)
         return 2
-    return stage_main("sweep", lambda: run_sweep(sweep))
+    return stage_main("sweep", lambda: run_sweep(sweep, root))
+
+
+def from_command_line(argv: list[str]) -> tuple[SweepConfig, str]:
+    """The sweep the options ask for (a grid over keys, and algorithms and seeds of the
+    experiment, configured or not) and its root; an error names the option."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("experiment")
+    parser.add_argument("--params", default="params.yaml")
+    parser.add_argument("--root", default=".", help="where its sweeps/<name>/ folder goes (as flows.pipeline's)")
+    parser.add_argument("--algorithms", nargs="+", metavar="RUN", help="default: the experiment's")
+    parser.add_argument("--seeds", nargs="+", type=int, metavar="SEED", help="default: the experiment's")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=V1[,V2...]",
+                        help="a grid over a key (repeatable), e.g. algorithms.ditto.mu=0.01,0.1,1 or "
+                             "local.optimizer.lr=0.1,0.2")
+    parser.add_argument("--name", help="the sweep's name (default: from the --set keys, or 'runs')")
+    args = parser.parse_args(argv)
+    load_params(args.params).experiment(args.experiment)  # an unknown experiment names the choices
+    grid = dict(parse_assignment(text) for text in args.set)
+    name = args.name or "_".join(key.rsplit(".", 1)[-1] for key in grid) or "runs"
+    try:
+        sweep = SweepConfig(name=name, experiment=args.experiment, algorithms=args.algorithms, seeds=args.seeds,
+                            grid=grid, params_path=args.params)
+    except ValidationError as err:
+        first = err.errors()[0]
+        raise ConfigError(f"--{first['loc'][0]} {getattr(args, str(first['loc'][0]), name)!r}: {first['msg']}") from None
+    return sweep, args.root
 
 
 if __name__ == "__main__":

@@ -24,7 +24,8 @@ from pathlib import Path
 
 import flows  # noqa: F401  (environment defaults)
 from flows.stage import stage_main
-from pfl_tasks.config import ConfigError, Params, TableConfig, load_params
+from pfl_tasks.config import Params, TableConfig, load_params
+from pfl_tasks.errors import ConfigError
 from pfl_tasks.files import atomic_write_text
 from pfl_tasks.reports import (
     MethodResult, collect, configured_runs, interval, marks, primary_metric, protocol_lines, results_store,

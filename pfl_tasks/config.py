@@ -7,10 +7,8 @@ algorithm registry (`pfl_tasks.algorithms.validate_params`), which owns their ty
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import io
-import itertools
 import json
 import os
 import re
@@ -22,6 +20,8 @@ import yaml
 from pydantic import (
     AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator,
 )
+
+from pfl_tasks.errors import ConfigError
 
 # strict: a boolean or a string is no number (YAML's `rounds: true` is an error, not 1)
 PositiveInt = Annotated[int, Field(gt=0, strict=True)]
@@ -55,10 +55,6 @@ def _once(values: list | None, what: str) -> list | None:
     if repeated:
         raise ValueError(f"{what} listed twice: {repeated}")
     return values
-
-
-class ConfigError(ValueError):
-    """A configuration problem; the message names the offending dotted key."""
 
 
 class Strict(BaseModel):
@@ -408,7 +404,7 @@ class ResolvedExperiment(Strict):
 
 
 class SweepConfig(Strict):
-    """A parameter sweep (the Prefect UI, or `flows.train --set`): `algorithms` x `seeds` of one
+    """A parameter sweep (the Prefect UI, or `flows.sweep`; expanded by `pfl_tasks.grid`): `algorithms` x `seeds` of one
     experiment of the params file, under dotted `overrides` such as {"federation.rounds": 50}
     and over a `grid` of values such as {"algorithms.ditto.mu": [0.01, 0.1, 1]}. It runs in
     `sweeps/<name>/`: a grid over an algorithm's hyper-parameter runs its values side by side as
@@ -428,116 +424,6 @@ class SweepConfig(Strict):
     @property
     def experiment_name(self) -> str:
         return f"{self.experiment}-{self.name}"
-
-    def params(self) -> dict:
-        """The sweep's own params file: only its experiment (one per point of the non-algorithm
-        grid), renamed, with the overrides applied and the grid's variants; validated like
-        params.yaml, so an error names the offending key."""
-        raw = read_params(self.params_path)
-        for dotted, value in self.overrides.items():
-            _set_dotted(raw, dotted, value, "sweep.overrides")
-        experiments = raw.get("experiments") or {}
-        if self.experiment not in experiments:
-            raise ConfigError(f"sweep.experiment: '{self.experiment}' is not in {self.params_path} "
-                              f"(have: {sorted(experiments)})")
-        exp = dict(experiments[self.experiment])
-        exp.update({k: v for k, v in (("algorithms", self.algorithms), ("seeds", self.seeds)) if v is not None})
-        run_names = exp.get("algorithms") or list(raw.get("algorithms") or {})
-        exp["algorithm_overrides"] = {k: v for k, v in (exp.get("algorithm_overrides") or {}).items() if k in run_names}
-        variants, points = self._split_grid(run_names)
-        algorithms = dict(raw.get("algorithms") or {})
-        for run, hyper in variants.items():
-            base = {**algorithms.get(run, {}), **exp["algorithm_overrides"].pop(run, {})}
-            names = []
-            for values in itertools.product(*hyper.values()):
-                setting = dict(zip(hyper, values))
-                name = "_".join([run, *(f"{hp}{_label(v)}" for hp, v in setting.items())])
-                if name in algorithms:
-                    raise ConfigError(f"sweep.grid: algorithms.{run}: two values (or an existing entry) are named "
-                                      f"'{name}': give distinct values")
-                algorithms[name] = {**base, "algorithm": base.get("algorithm", run), **setting}
-                names.append(name)
-            run_names = [n for r in run_names for n in (names if r == run else [r])]
-        exp["algorithms"] = run_names
-        out = {}
-        for point in itertools.product(*points.values()):
-            setting = dict(zip(points, point))
-            name = "-".join([self.experiment_name, *(f"{key.rsplit('.', 1)[-1]}{_label(v)}" for key, v in setting.items())])
-            if name in out:
-                raise ConfigError(f"sweep.grid: {', '.join(points)}: two points are named '{name}': give distinct values")
-            out[name] = copy.deepcopy(exp)
-            for dotted, value in setting.items():
-                _set_dotted(out[name], dotted, value, "sweep.grid")
-        raw.update(experiments=out, algorithms=algorithms, learn2pfed={},
-                   tables={self.name: {"experiments": list(out)}} if len(out) > 1 else {})
-        if self.tags:
-            tracking = dict(raw.get("tracking") or {})
-            tracking["tags"] = {**tracking.get("tags", {}), **self.tags}
-            raw["tracking"] = tracking
-        parse_params(raw)
-        return raw
-
-    def _split_grid(self, run_names: list[str]) -> tuple[dict[str, dict[str, list]], dict[str, list]]:
-        """The grid's keys over algorithms' hyper-parameters, by run name (a name may hold dots:
-        the longest run name that prefixes the key is its run), and the others, as keys of the
-        experiment's own sections (`local.optimizer.lr` -> the experiment's `local`)."""
-        variants: dict[str, dict[str, list]] = {}
-        points: dict[str, list] = {}
-        for dotted, values in self.grid.items():
-            if dotted.startswith("algorithms."):
-                rest = dotted.removeprefix("algorithms.")
-                runs = [r for r in run_names if rest.startswith(f"{r}.") and "." not in rest[len(r) + 1:]]
-                if not runs:
-                    raise ConfigError(f"sweep.grid: '{dotted}': expected algorithms.<run>.<hyper-parameter> with "
-                                      f"<run> one of this sweep's runs {run_names}")
-                run = max(runs, key=len)
-                variants.setdefault(run, {})[rest[len(run) + 1:]] = values
-            elif dotted.split(".")[0] in ("federation", "local", "model", "dataset"):
-                points[dotted] = values
-            else:
-                raise ConfigError(f"sweep.grid: '{dotted}': a grid varies an algorithm's hyper-parameter "
-                                  "(algorithms.<run>.<name>) or the experiment's federation, local, model or dataset")
-        return variants, points
-
-
-def _label(value: Any) -> str:
-    """A grid value as part of a run or experiment name ([16, 32] -> 16x32)."""
-    if isinstance(value, (list, tuple)):
-        return "x".join(_label(v) for v in value)
-    return re.sub(r"[^A-Za-z0-9_.-]", "", value if isinstance(value, str) else json.dumps(value))
-
-
-def parse_assignment(text: str) -> tuple[str, list[Any]]:
-    """`key=v1,v2` from a command line: the dotted key and its values, each read as YAML (0.1
-    a float, true a boolean, adam a string, [16,32] a list: commas inside brackets stay)."""
-    key, sep, values = text.partition("=")
-    if not sep or not key or not values:
-        raise ConfigError(f"--set {text!r}: expected key=value[,value...]")
-    parts, depth, current = [], 0, ""
-    for char in values:
-        if char in "[{":
-            depth += 1
-        elif char in "]}":
-            depth -= 1
-        if char == "," and depth == 0:
-            parts.append(current)
-            current = ""
-        else:
-            current += char
-    try:
-        return key, [yaml.load(part, _ParamsLoader) for part in [*parts, current]]
-    except yaml.YAMLError as err:
-        raise ConfigError(f"--set {key}: unreadable value ({err})") from None
-
-
-def _set_dotted(tree: dict, dotted: str, value: Any, where: str) -> None:
-    *parents, leaf = dotted.split(".")
-    node = tree
-    for i, key in enumerate(parents):
-        node = node.setdefault(key, {})
-        if not isinstance(node, dict):
-            raise ConfigError(f"{where}: '{dotted}': '{'.'.join(parents[:i + 1])}' is not a section")
-    node[leaf] = value
 
 
 class Params(Strict):
@@ -644,7 +530,7 @@ MAX_PARAMS_BYTES = 2**20  # params files take a few KB; reading a 5 MB one took 
 MAX_NESTING = 32  # params files nest 6 levels; YAML's composer recurses per level
 
 
-class _ParamsLoader(yaml.SafeLoader):
+class ParamsLoader(yaml.SafeLoader):
     """YAML with three traps closed: a key given twice in one mapping is an error (not "the last
     wins"; `<<` merges may still be overridden), `1e-3` is a float as in YAML 1.2 (YAML 1.1
     reads it as a string), and nesting deeper than MAX_NESTING is an error (not a RecursionError)."""
@@ -677,7 +563,7 @@ class _ParamsLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep)
 
 
-_ParamsLoader.add_implicit_resolver(
+ParamsLoader.add_implicit_resolver(
     "tag:yaml.org,2002:float",
     re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
     list("-+0123456789"),
@@ -698,7 +584,7 @@ def read_params(path: str | Path) -> dict:
     stream = io.BytesIO(text)
     stream.name = str(path)  # for the marks of YAML's errors
     try:
-        data = yaml.load(stream, _ParamsLoader)
+        data = yaml.load(stream, ParamsLoader)
     except yaml.YAMLError as err:
         raise ConfigError(f"{path}: {_yaml_problem(err)}") from None
     if not isinstance(data, dict):

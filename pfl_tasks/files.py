@@ -15,6 +15,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
+from pfl_tasks.errors import OutputLockedError, OutputPathError
+
 
 def _read_umask() -> int:
     mask = os.umask(0)
@@ -109,14 +111,6 @@ def remove_stale_temporaries(*paths: Path) -> list[Path]:
                 stale.unlink(missing_ok=True)
             removed.append(stale)
     return removed
-
-
-class OutputLockedError(RuntimeError):
-    """Another live process writes the same outputs."""
-
-
-class OutputPathError(RuntimeError):
-    """An output's folder cannot be made: a file or a dangling link in its way, or no write access."""
 
 
 def check_output_dir(directory: Path) -> None:

@@ -1,10 +1,11 @@
 """The project's source files a run imports, read from the import statements: a run's code
 deps (its DVC stage's) and the code part of its identity (its checkpoint's).
 
-A run's numbers come from the round runtime (`pfl_tasks/algorithms/federation.py`: config,
-data, nets, engine and the algorithm base) and its own algorithm's module with what that
-imports (`numeric_code`). The flows, tracking, run outputs and reports around them are
-plumbing: an edit there changes no number, so it restarts no run. The algorithm package
+A run's numbers come from the round runtime (`pfl_tasks/engine/federation.py` and
+`pfl_tasks/engine/steps.py`: config, data, nets and engine) and its own algorithm's module with
+what that imports, the algorithm base among it (`numeric_code`). The training loop, selection
+rules, MLflow store, run outputs, reports and flows around them are plumbing: an edit there
+changes no number, so it restarts no run. The algorithm package
 imports every other algorithm's module only to register it by name, and those modules cannot
 change this run's numbers either.
 """
@@ -18,7 +19,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("pfl_tasks", "flows")
 REGISTRATION = ROOT / "pfl_tasks" / "algorithms" / "__init__.py"
-ROUND_RUNTIME = ROOT / "pfl_tasks" / "algorithms" / "federation.py"
+ROUND_RUNTIME = (ROOT / "pfl_tasks" / "engine" / "federation.py", ROOT / "pfl_tasks" / "engine" / "steps.py")
 
 
 def _module_file(name: str) -> Path | None:
@@ -76,7 +77,7 @@ def run_code(*entries: Path) -> list[Path]:
 def numeric_code(*algorithm_files: Path) -> list[Path]:
     """What can change the numbers of runs of these algorithm modules: the round runtime and
     the modules, with everything they import."""
-    return run_code(ROUND_RUNTIME, *algorithm_files)
+    return run_code(*ROUND_RUNTIME, *algorithm_files)
 
 
 def code_hash(files: list[Path]) -> str:

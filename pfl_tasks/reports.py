@@ -26,10 +26,13 @@ import numpy as np
 import pandas as pd
 
 from pfl_tasks.engine.evaluate import HIGHER_IS_BETTER
+from pfl_tasks.errors import ComparisonError
 from pfl_tasks.files import atomic_write, atomic_write_text, remove_stale_temporaries
+from pfl_tasks.outputs import pinned_run
 from pfl_tasks.runs import RunPaths
+from pfl_tasks.selection import PLATEAU_TOLERANCE
 from pfl_tasks.stats import TEST_NAME, holm, mean_ci, paired_pvalue
-from pfl_tasks.tracking import PLATEAU_TOLERANCE, ComparisonError, _sqlite_path, local_artifact_dir, pinned_run
+from pfl_tasks.tracking import local_artifact_dir, sqlite_path
 
 ALPHA = 0.05
 # a run that aggregated fewer than this fraction of its rounds (in the others no sampled client
@@ -69,7 +72,7 @@ def results_store(uri: str, experiments: list[str], params_path: str, every: boo
     A sqlite store that is not there yet stays so (MLflow would create an empty one)."""
     from mlflow.tracking import MlflowClient
 
-    path = _sqlite_path(uri)
+    path = sqlite_path(uri)
     client = MlflowClient(tracking_uri=uri) if path is None or path.exists() else None
     held = [e for e in experiments if client is not None and client.get_experiment_by_name(e) is not None]
     if len(held) < len(experiments) and (every or not held):

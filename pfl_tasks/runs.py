@@ -6,11 +6,12 @@ outputs, and a failure path that leaves nothing RUNNING and nothing half-written
         state = ... run.resumed ...             # None, or the checkpoint to resume from
         run.track(experiment, params, tags)
         run.snapshot = lambda: {...}            # the checkpoint of the state between steps
-        for step in run.steps(start):           # stops between steps on SIGTERM/SIGHUP/SIGINT
-            with run.mutating():                # the step and its evaluation: inconsistent in here
-                state = ...; history.append(...)
-            ... checkpoint ...; run.log(history)
+        diverged = run.play(start, every, advance, save, checkpoint_every, history, summary)
+        if diverged is not None:                # (step, what is not finite)
+            return run.diverged(*diverged, curve)
         run.finish(final, curve, artifacts)
+
+`play` stops between spans on SIGTERM/SIGHUP/SIGINT.
 
 `unit` ("round", "epoch") is also the step key of the history records. On an exception or
 signal the run saves `snapshot()` if the state is consistent, marks its MLflow run FAILED
@@ -35,9 +36,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pfl_tasks.config import TrackingConfig
-from pfl_tasks.engine.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from pfl_tasks.files import OutputLock, OutputLockedError, check_output_dir, remove_stale_temporaries
-from pfl_tasks.tracking import MlflowRun, TrackingError, flatten, headline, pin, progress, write_dvc_outputs
+from pfl_tasks.engine.checkpoint import load_checkpoint, save_checkpoint
+from pfl_tasks.errors import CheckpointError, OutputLockedError, RunStopped, TrackingError
+from pfl_tasks.files import OutputLock, check_output_dir, remove_stale_temporaries
+from pfl_tasks.outputs import headline, pin, progress, write_dvc_outputs
+from pfl_tasks.tracking import MlflowRun, flatten
 
 
 CONSOLE = "PFL_CONSOLE"  # "runs": a line per finished run instead of one per evaluation
@@ -107,15 +110,6 @@ def resume_point(path: Path, identity: dict, total: int, on_config_change: str) 
         f"{path}: {problem}. Pass --on-config-change restart to discard it, "
         "or --on-config-change resume to continue from it anyway."
     )
-
-
-class RunStopped(BaseException):
-    """SIGTERM, SIGHUP or SIGINT asked the run to stop (a BaseException, as KeyboardInterrupt: no
-    `except Exception` on the way may swallow it)."""
-
-    def __init__(self, signum: int):
-        self.signum = signum
-        super().__init__(f"stopped by {signal.Signals(signum).name}")
 
 
 class Run:
@@ -223,11 +217,6 @@ class Run:
         if history:
             self.logged_through = self.tracker.last_step(list(history[-1])[-1])
 
-    def steps(self, start: int, every: int = 1) -> Iterator[int]:
-        """`start, start + every, ... < total`, with a progress bar; a requested stop is honoured
-        between steps."""
-        return (first for first, _ in self._walk(start, lambda step: step + every))
-
     def spans(self, start: int, every: int) -> Iterator[tuple[int, int]]:
         """Steps `start` to `total` as spans [first, stop) that end at the multiples of `every`
         (and at `total`), with a progress bar; a requested stop is honoured between spans."""
@@ -244,6 +233,28 @@ class Run:
             self.done = stop
             self.bar.update(stop - first)
             first = stop
+
+    def play(self, start: int, every: int, advance: Callable[[int, int], tuple[int, str] | None],
+             save: Callable[[Path, int, dict], None], checkpoint_every: int, history: list[dict],
+             summary: Callable[[int], str | None]) -> tuple[int, str] | None:
+        """The run's steps from `start` to `total`, in `spans` of `every`. Each span: `advance(first,
+        stop)` changes the state (no failure checkpoint meanwhile) and returns (step, problem) when
+        the state stopped being finite at `step`; then `save(path, stop, snapshot())` at the
+        multiples of `checkpoint_every` and at `total`, MLflow gets the `history` records it has
+        not had (after the checkpoint), and the progress bar and log the span's `summary(stop)`,
+        if any. The (step, problem) of a diverged run, for `diverged`; None when every step ran."""
+        for first, stop in self.spans(start, every):
+            with self.mutating():
+                problem = advance(first, stop)
+            if problem is not None:
+                return problem
+            if stop % checkpoint_every == 0 or stop == self.total:
+                save(self.paths.checkpoint, stop, self.snapshot())
+            self.log(history)
+            line = summary(stop)
+            if line is not None:
+                self.note(line, at=stop)
+        return None
 
     @contextlib.contextmanager
     def mutating(self) -> Iterator[None]:

@@ -1,14 +1,13 @@
-"""Tracking layer: metric summaries and history, DVC metric/plot files, and MLflow runs."""
+"""The MLflow store: where runs are tracked (`tracking_uri`), opening it once (`open_store`), one
+run's record (`MlflowRun`: params, tags, metrics, artifacts, its end) with every call retried while
+the store is briefly unavailable, and the tags a comparison groups runs by (`run_tags`)."""
 
 from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import csv
 import fcntl
 import hashlib
-import json
-import math
 import os
 import subprocess
 import threading
@@ -16,201 +15,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import torch
-
-from pfl_tasks.engine.evaluate import HIGHER_IS_BETTER, summarize
-from pfl_tasks.files import atomic_write_text
-
-PRIMARY = {"classification": "acc", "regression": "mse"}
-
-
-class ComparisonError(ValueError):
-    """The tracked runs cannot make the comparison asked for (missing experiment or runs)."""
-
-
-def summarize_eval(metrics: dict[str, dict[str, dict[str, torch.Tensor]]]) -> dict[str, float]:
-    """Flat aggregates over clients, such as `val/personalized/acc_mean`, `test/global/loss_worst10`,
-    from per-client metrics split -> model (personalized, global) -> metric -> [N]."""
-    flat = {}
-    for split, models in metrics.items():
-        for kind, values_of in models.items():
-            weights = values_of["n"]
-            for metric, values in values_of.items():
-                if metric == "n":
-                    continue
-                for stat, value in summarize(values, weights, HIGHER_IS_BETTER[metric]).items():
-                    flat[f"{split}/{kind}/{metric}_{stat}"] = value
-    return flat
-
-
-def selected_index(history: list[dict], task: str) -> int:
-    """The evaluation selected on validation: the best personalized mean of the primary metric
-    on the clients' validation splits (the earliest of ties); the last one without validation."""
-    key = f"val/personalized/{PRIMARY[task]}_mean"
-    if key not in history[-1]:
-        return len(history) - 1
-    values = [h[key] for h in history]
-    pick = max if HIGHER_IS_BETTER[PRIMARY[task]] else min
-    return values.index(pick(values))
-
-
-def final_metrics(history: list[dict], task: str) -> dict[str, float]:
-    """`final/...` from the last evaluation and `selected/...` from the one selected on
-    validation, with their rounds."""
-    last, selected = history[-1], history[selected_index(history, task)]
-    out = {f"final/{k}": v for k, v in last.items() if k != "round"}
-    out.update({f"selected/{k}": v for k, v in selected.items() if k != "round"})
-    out["selected/round"] = selected["round"]
-    out["final/round"] = last["round"]
-    return out
-
-
-# a run has plateaued when its mean personalized validation metric over the evaluations of the
-# last fifth of its rounds is better than over the fifth before by less than half a point of
-# accuracy, or 1% of the MSE (window means: one noisy evaluation decides nothing)
-PLATEAU_WINDOW = 0.2
-PLATEAU_TOLERANCE = {"acc": 0.005, "mse": 0.01}
-
-
-def plateau(history: list[dict], task: str) -> dict[str, float]:
-    """`plateau/gain`, what the mean validation metric gained from the second-to-last fifth of
-    the rounds to the last (absolute for accuracy, relative for MSE), and `plateau/reached` (1 or
-    0, by PLATEAU_TOLERANCE); nothing when either window holds no evaluation."""
-    metric = PRIMARY[task]
-    key, total = f"val/personalized/{metric}_mean", history[-1]["round"]
-    windows = [[h[key] for h in history if key in h and lo < h["round"] <= hi]
-               for lo, hi in ((total * (1 - 2 * PLATEAU_WINDOW), total * (1 - PLATEAU_WINDOW)),
-                              (total * (1 - PLATEAU_WINDOW), total))]
-    if not all(windows):
-        return {}
-    before, last = (sum(w) / len(w) for w in windows)
-    gain = last - before if HIGHER_IS_BETTER[metric] else (before - last) / before
-    return {"plateau/gain": gain, "plateau/reached": float(gain < PLATEAU_TOLERANCE[metric])}
-
-
-def personalized_is_global(metrics: dict[str, dict[str, dict[str, torch.Tensor]]]) -> bool:
-    """Whether every client's personalized model scored as the global one on validation (FedAvg,
-    FedDyn, an unsplit CFL): a personalized column that is a global model in disguise."""
-    val = metrics["val"]
-    if "global" not in val:
-        return False
-    return all(torch.allclose(val["personalized"][m], val["global"][m], rtol=1e-6, atol=1e-7)
-               for m in val["personalized"])
-
-
-def per_client_rows(metrics: dict[str, dict[str, dict[str, torch.Tensor]]]) -> list[dict]:
-    """One row per client: its validation and test sizes and metrics (`test_personalized_acc`, ...)."""
-    rows = []
-    for k in range(len(next(iter(metrics.values()))["personalized"]["n"])):
-        row = {"client_id": k}
-        for split, models in metrics.items():
-            row[f"n_{split}"] = int(models["personalized"]["n"][k])
-            for kind, values_of in models.items():
-                row.update({f"{split}_{kind}_{m}": float(v[k]) for m, v in values_of.items() if m != "n"})
-        rows.append(row)
-    return rows
-
-
-def write_csv(path: Path, rows: list[dict]) -> None:
-    from io import StringIO
-
-    buf = StringIO()
-    writer = csv.DictWriter(buf, fieldnames=list(rows[0]))
-    writer.writeheader()
-    writer.writerows(rows)
-    atomic_write_text(path, buf.getvalue())
-
-
-def json_text(record: dict) -> str:
-    """Strict JSON: a non-finite number (an infinite test loss) is written as null."""
-
-    def clean(value):
-        if isinstance(value, dict):
-            return {k: clean(v) for k, v in value.items()}
-        return value if not isinstance(value, float) or math.isfinite(value) else None
-
-    return json.dumps(clean(record), indent=1, sort_keys=True, allow_nan=False)
-
-
-# a run's DVC metrics file: its headline under short keys (`dvc metrics show` and `dvc exp show`
-# fit a terminal; MLflow has every summary): the round selected on validation, the personalized
-# model's mean metric there (accuracy or MSE, the task's) on validation and test, the global
-# model's on test, the worst 10% of clients on test, the plateau verdict
-HEADLINE = {"round": "selected/round", "val": "selected/val/personalized/{m}_mean",
-            "test": "selected/test/personalized/{m}_mean", "global": "selected/test/global/{m}_mean",
-            "worst10": "selected/test/personalized/{m}_worst10", "plateau": "plateau/reached"}
-PINNED_RUN = "mlflow_run"  # the MLflow run the numbers are, as a one-item list: DVC's tables skip lists
-
-
-def headline(final: dict[str, float]) -> dict[str, float]:
-    metric = "mse" if "selected/test/personalized/mse_mean" in final else "acc"
-    return {short: final[key.format(m=metric)] for short, key in HEADLINE.items() if key.format(m=metric) in final}
-
-
-def pin(run_id: str) -> dict[str, list[str]]:
-    return {PINNED_RUN: [run_id]}
-
-
-def pinned_run(record: dict) -> str | None:
-    """The MLflow run a DVC metrics file's numbers are."""
-    return (record.get(PINNED_RUN) or [None])[0]
-
-
-def dvc_curve(history: list[dict], task: str) -> list[dict]:
-    """The per-round curve DVC plots: the mean metric (accuracy or MSE) over clients, of the
-    personalized model on validation and test and of the global one on test."""
-    metric = PRIMARY[task]
-    return [{"round": h["round"], **{name: h.get(f"{name}/{metric}_mean") for name in
-                                     ("val/personalized", "test/personalized", "test/global")}} for h in history]
-
-
-def evaluation_line(record: dict, task: str) -> str:
-    """An evaluation's mean metric over clients, naming model and split: `acc personalized val
-    0.9520 test 0.9271, global test 0.8757`."""
-    metric = PRIMARY[task]
-    parts = {kind: " ".join(f"{split} {record[key]:.4f}" for split in ("val", "test")
-                            if (key := f"{split}/{kind}/{metric}_mean") in record)
-             for kind in ("personalized", "global")}
-    return f"{metric} " + ", ".join(f"{kind} {text}" for kind, text in parts.items() if text)
-
-
-def write_dvc_outputs(metrics_path: Path, curve_path: Path, final: dict, history: list[dict]) -> None:
-    atomic_write_text(metrics_path, json_text(final))
-    if history:
-        write_csv(curve_path, history)
-    else:  # diverged before its first evaluation: no curve, not an earlier run's
-        curve_path.unlink(missing_ok=True)
-
-
-def learning_curve_png(path: Path, history: list[dict], task: str, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    metric = PRIMARY[task]
-    fig, ax = plt.subplots(figsize=(5, 3.2))
-    rounds = [h["round"] for h in history]
-    for split in ("val", "test"):
-        for kind in ("personalized", "global"):
-            key = f"{split}/{kind}/{metric}_mean"
-            if key in history[0]:
-                ax.plot(rounds, [h[key] for h in history], marker="o", label=f"{kind}, {split}",
-                        linestyle="-" if split == "test" else "--")
-    ax.set(xlabel="round", ylabel=f"{metric} (mean over clients)", title=title)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-
-
-def progress(desc: str, total: int, done: int, unit: str):
-    """A terminal progress bar (done/total, rate, ETA, latest metric as postfix); off when
-    stderr (tqdm's stream) is not a terminal or under CI, where the per-evaluation log lines remain."""
-    from tqdm import tqdm
-
-    return tqdm(total=total, initial=done, desc=desc, unit=unit, dynamic_ncols=True,
-                disable=True if os.environ.get("CI") else None)
+from pfl_tasks.errors import TrackingError
 
 
 def git_commit() -> str:
@@ -247,16 +52,12 @@ def flatten(tree: dict, prefix: str = "") -> dict[str, str]:
     return flat
 
 
-class TrackingError(RuntimeError):
-    """The MLflow store is unreachable, unwritable, or stayed unavailable past the retry bound."""
-
-
 def tracking_uri(configured: str) -> str:
     """MLFLOW_TRACKING_URI when set, else `tracking.mlflow_uri`; a relative sqlite path is the
     project's (DVC_ROOT, which `dvc exp run --temp` and `--queue` set to the project while the
     stages run in a temporary copy), so their runs land in the project's store."""
     uri = os.environ.get("MLFLOW_TRACKING_URI", configured)
-    path = _sqlite_path(uri)
+    path = sqlite_path(uri)
     if path is not None and not path.is_absolute() and os.environ.get("DVC_ROOT"):
         return uri.replace(f"sqlite:///{path}", f"sqlite:///{Path(os.environ['DVC_ROOT']).resolve() / path}", 1)
     return uri
@@ -322,7 +123,7 @@ def retrying(call, what: str, bound: float, first_wait: float = 0.5, stopping: C
 def _store_lock(uri: str):
     """Serializes first use of a sqlite store across processes (MLflow migrates a new database
     on first use, and two processes doing so at once fail)."""
-    path = _sqlite_path(uri)
+    path = sqlite_path(uri)
     if path is None:
         yield
         return
@@ -334,7 +135,7 @@ def _store_lock(uri: str):
 def artifact_location(uri: str, experiment: str) -> str | None:
     """A new experiment's artifacts beside a sqlite store (`mlruns/` next to `mlflow.db`), not
     under the working directory, which `dvc exp run --temp` deletes; a server's: its default."""
-    path = _sqlite_path(uri)
+    path = sqlite_path(uri)
     if path is None:
         return None
     return (path.resolve().parent / "mlruns" / hashlib.sha1(experiment.encode()).hexdigest()[:12]).as_uri()
@@ -350,14 +151,14 @@ def local_artifact_dir(store_uri: str, artifact_uri: str) -> Path | None:
     parsed = urlparse(artifact_uri)
     if parsed.scheme not in ("", "file"):
         return None
-    path, store = Path(url2pathname(parsed.path)), _sqlite_path(store_uri)
+    path, store = Path(url2pathname(parsed.path)), sqlite_path(store_uri)
     if path.exists() or store is None or "mlruns" not in path.parts:
         return path
     below = path.parts[len(path.parts) - 1 - path.parts[::-1].index("mlruns"):]
     return store.resolve().parent.joinpath(*below)
 
 
-def _sqlite_path(uri: str) -> Path | None:
+def sqlite_path(uri: str) -> Path | None:
     if not uri.startswith("sqlite:///"):
         return None
     return Path(uri.removeprefix("sqlite:///").split("?")[0])
@@ -371,7 +172,7 @@ def open_store(uri: str) -> None:
     from mlflow.tracking import MlflowClient
 
     where = f"tracking.mlflow_uri ({uri})"
-    path = _sqlite_path(uri)
+    path = sqlite_path(uri)
     if path is not None:
         if not path.parent.is_dir():
             raise TrackingError(f"{where}: directory {path.parent} does not exist")

@@ -89,8 +89,8 @@ def tiny_federation(data, algorithm, executor="vectorized", device="cpu", hp=Non
                     **overrides):
     """A `Federation` of the tiny experiment on `data`, run inline; `engine`: more engine settings."""
     from pfl_tasks.algorithms import build
-    from pfl_tasks.algorithms.federation import Federation
     from pfl_tasks.config import EngineConfig
+    from pfl_tasks.engine.federation import Federation
 
     params = parse_params(tiny_params(**overrides))
     engine = EngineConfig(executor=executor, chunk_size=chunk_size, device=device, orchestrator="inline",
@@ -101,7 +101,7 @@ def tiny_federation(data, algorithm, executor="vectorized", device="cpu", hp=Non
 
 def run_rounds(fed, state, start: int, stop: int):
     """Rounds `start` to `stop` inline (no Prefect: runs where only torch and the library are)."""
-    from pfl_tasks.algorithms.federation import InlineSteps, run_round
+    from pfl_tasks.engine.steps import InlineSteps, run_round
 
     for r in range(start, stop):
         state = run_round(InlineSteps(2), fed, state, r)
@@ -225,9 +225,9 @@ def assert_same_runs(a: dict, b: dict):
 
 def lsq_federation(algorithm, hp=None, steps=1, lr=0.05, rounds=300, executor="vectorized"):
     """Run `algorithm` on the least-squares clients with full-batch local GD."""
-    from flows.train import InlineSteps, run_round
     from pfl_tasks.algorithms import build
-    from pfl_tasks.algorithms.federation import Federation
+    from pfl_tasks.engine.federation import Federation
+    from pfl_tasks.engine.steps import InlineSteps, run_round
 
     xs, ys = least_squares_clients()
     data = regression_data(xs, ys)

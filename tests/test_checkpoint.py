@@ -7,10 +7,12 @@ import pytest
 import torch
 
 from conftest import tiny_params, tracking
-from flows.train import InlineSteps, train_run
 from pfl_tasks.config import parse_params
-from pfl_tasks.engine.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from pfl_tasks.engine.checkpoint import load_checkpoint, save_checkpoint
+from pfl_tasks.engine.steps import InlineSteps
+from pfl_tasks.errors import CheckpointError
 from pfl_tasks.runs import RunPaths
+from pfl_tasks.training import train_run
 
 
 class Killed(Exception):
@@ -79,9 +81,9 @@ def test_checkpoint_of_another_platform_is_refused_unless_resumed(project, monke
     train(project, rounds=3)
     path = RunPaths.of(project, "tiny", "fedprox", 0).checkpoint
     assert load_checkpoint(path, {})["platform"] == f"device cpu, torch {torch.__version__}"
-    from pfl_tasks.algorithms import federation
+    from pfl_tasks import training
 
-    monkeypatch.setattr(federation, "platform", lambda engine, device: {"device": "cuda", "gpu": "Some GPU"})
+    monkeypatch.setattr(training, "platform", lambda engine, device: {"device": "cuda", "gpu": "Some GPU"})
     with pytest.raises(CheckpointError, match="computed on device cpu, .* this run computes on device cuda, gpu Some GPU"):
         train(project)
     assert train(project, on_config_change="resume")["final/round"] == 6

@@ -2,7 +2,8 @@ import pytest
 
 from conftest import tiny_params
 from pfl_tasks.algorithms import validate_params
-from pfl_tasks.config import ConfigError, load_params, parse_params
+from pfl_tasks.config import load_params, parse_params
+from pfl_tasks.errors import ConfigError
 
 
 def error_of(data) -> str:

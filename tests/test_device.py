@@ -10,9 +10,10 @@ from torch.overrides import TorchFunctionMode
 
 from conftest import run_rounds, tiny_federation
 from pfl_tasks.algorithms import ALGORITHMS
-from pfl_tasks.config import ConfigError, EngineConfig
+from pfl_tasks.config import EngineConfig
 from pfl_tasks.engine.checkpoint import load_checkpoint, save_checkpoint
 from pfl_tasks.engine.state import gather, leaves
+from pfl_tasks.errors import ConfigError
 
 EVERY_ALGORITHM = sorted(ALGORITHMS)
 HP = {"feddyn": {"alpha": 0.1}}  # its default alpha needs the experiments' smaller lr

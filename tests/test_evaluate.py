@@ -3,7 +3,7 @@ import torch
 
 from conftest import split_from
 from pfl_tasks.engine.evaluate import evaluate_clients, summarize
-from pfl_tasks.tracking import final_metrics, plateau, selected_index
+from pfl_tasks.selection import final_metrics, plateau, selected_index
 from torch import nn
 
 

@@ -68,7 +68,7 @@ def test_progress_bar_shows_on_a_terminal_only_and_never_under_ci(monkeypatch):
     import io
     import sys
 
-    from pfl_tasks.tracking import progress
+    from pfl_tasks.outputs import progress
 
     class Terminal(io.StringIO):
         def isatty(self):

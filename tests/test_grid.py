@@ -1,6 +1,7 @@
-"""One-line runs and grids: `python -m flows.train <experiment> --algorithms ... --seeds ...
---set key=v1,v2`: the override parser, the grid's params, errors before anything starts, and
-a grid run end to end under one MLflow parent run."""
+"""One-line runs and grids: `python -m flows.train <experiment> --algorithms ... --seeds ...` in
+place, `python -m flows.sweep <experiment> ... --set key=v1,v2` as a sweep: the override parser,
+the grid's params, errors before anything starts, and a grid run end to end under one MLflow
+parent run."""
 
 import re
 
@@ -9,7 +10,9 @@ import yaml
 
 from conftest import mlflow_uri, ranked_result, tiny_params
 from pfl_tasks.algorithms import validate_params
-from pfl_tasks.config import ConfigError, SweepConfig, parse_assignment, parse_params
+from pfl_tasks.config import SweepConfig, parse_params
+from pfl_tasks.errors import ConfigError
+from pfl_tasks.grid import parse_assignment, sweep_params
 
 
 def write_params(root, **changes):
@@ -36,9 +39,9 @@ def test_assignment_reads_each_value_as_yaml():
 
 def test_grid_over_a_hyper_parameter_runs_its_values_side_by_side(tmp_path):
     path = write_params(tmp_path)
-    raw = SweepConfig(name="mu", experiment="tiny", grid={"algorithms.fedprox.mu": [0.01, 1],
+    raw = sweep_params(SweepConfig(name="mu", experiment="tiny", grid={"algorithms.fedprox.mu": [0.01, 1],
                                                           "algorithms.ditto_v0.5.mu": [0.1]},
-                      params_path=path).params()
+                      params_path=path))
     validate_params(parse_params(raw))
     assert list(raw["experiments"]) == ["tiny-mu"] and raw["tables"] == {}
     assert raw["experiments"]["tiny-mu"]["algorithms"] == ["fedavg", "fedprox_mu0.01", "fedprox_mu1", "ditto_v0.5_mu0.1"]
@@ -47,8 +50,8 @@ def test_grid_over_a_hyper_parameter_runs_its_values_side_by_side(tmp_path):
 
 
 def test_grid_over_another_key_gives_an_experiment_per_value_and_a_table(tmp_path):
-    raw = SweepConfig(name="lr", experiment="tiny", algorithms=["fedavg"], grid={"local.optimizer.lr": [0.05, 0.2]},
-                      params_path=write_params(tmp_path, local={"steps": 3, "optimizer": {"lr": 0.1}})).params()
+    raw = sweep_params(SweepConfig(name="lr", experiment="tiny", algorithms=["fedavg"], grid={"local.optimizer.lr": [0.05, 0.2]},
+                      params_path=write_params(tmp_path, local={"steps": 3, "optimizer": {"lr": 0.1}})))
     params = validate_params(parse_params(raw))
     assert list(raw["experiments"]) == ["tiny-lr-lr0.05", "tiny-lr-lr0.2"]
     assert [params.experiment(e).local.optimizer.lr for e in raw["experiments"]] == [0.05, 0.2]
@@ -59,15 +62,15 @@ def test_grid_over_another_key_gives_an_experiment_per_value_and_a_table(tmp_pat
 def test_grid_errors_name_the_key(tmp_path):
     path = write_params(tmp_path)
     with pytest.raises(ConfigError, match=r"'algorithms.dito.mu'.*runs \['fedavg', 'fedprox', 'ditto_v0.5'\]"):
-        SweepConfig(name="g", experiment="tiny", grid={"algorithms.dito.mu": [1]}, params_path=path).params()
+        sweep_params(SweepConfig(name="g", experiment="tiny", grid={"algorithms.dito.mu": [1]}, params_path=path))
     with pytest.raises(ConfigError, match=r"'engine.device': a grid varies"):
-        SweepConfig(name="g", experiment="tiny", grid={"engine.device": ["cpu"]}, params_path=path).params()
+        sweep_params(SweepConfig(name="g", experiment="tiny", grid={"engine.device": ["cpu"]}, params_path=path))
     with pytest.raises(ConfigError, match=r"experiments.tiny-g-lrfast.local.optimizer.lr"):
-        SweepConfig(name="g", experiment="tiny", grid={"local.optimizer.lr": ["fast"]}, params_path=path).params()
+        sweep_params(SweepConfig(name="g", experiment="tiny", grid={"local.optimizer.lr": ["fast"]}, params_path=path))
     with pytest.raises(ConfigError, match=r"two points are named 'tiny-g-hidden64'"):
-        SweepConfig(name="g", experiment="tiny", grid={"model.hidden": [[64], "64"]}, params_path=path).params()
+        sweep_params(SweepConfig(name="g", experiment="tiny", grid={"model.hidden": [[64], "64"]}, params_path=path))
     with pytest.raises(ConfigError, match=r"two values .* 'fedprox_mu0.1'"):
-        SweepConfig(name="g", experiment="tiny", grid={"algorithms.fedprox.mu": [0.1, 0.1]}, params_path=path).params()
+        sweep_params(SweepConfig(name="g", experiment="tiny", grid={"algorithms.fedprox.mu": [0.1, 0.1]}, params_path=path))
 
 
 def test_command_line_errors_come_before_anything_starts(tmp_path, monkeypatch, capsys):
@@ -76,22 +79,36 @@ def test_command_line_errors_come_before_anything_starts(tmp_path, monkeypatch, 
 
     started = []
     monkeypatch.setattr(flows.sweep, "run_sweep", lambda sweep, root: started.append((sweep.name, root)))
-    monkeypatch.setattr(flows.train, "train_experiment", lambda *a: started.append(a))
     path = write_params(tmp_path)
     for args, message in ((["--set", "algorithms.fedprox.muu=1"], "algorithms.fedprox_muu1.muu: Extra inputs"),
                           (["--set", "algorithms.fedprox.mu"], "expected key=value"),
                           (["--set", "algorithms.fedprox.mu=1", "--name", "a/b"], "--name 'a/b'"),
                           (["--seeds", "-1"], "--seeds [-1]: Input should be greater than or equal to 0"),
                           (["--algorithms", "dito"], "unknown algorithm 'dito'")):
-        assert flows.train.main(["tiny", "--params", path, *args]) == 2
+        assert flows.sweep.main(["tiny", "--params", path, *args]) == 2
         assert message in capsys.readouterr().err
     assert started == []
+    # --root: a sweep writes beside the outputs of its params file
+    assert flows.sweep.main(["tiny", "--params", path, "--root", "runs/x", "--set", "algorithms.fedprox.mu=1,2"]) == 0
+    assert flows.sweep.main(["tiny", "--params", path, "--algorithms", "fedavg", "--seeds", "7"]) == 0
+    assert started == [("mu", "runs/x"), ("runs", ".")]
+
+    monkeypatch.setattr(flows.train, "train_experiment", lambda *a: started.append(a))
     assert flows.train.main(["tiny", "--params", path, "--algorithms", "fedavg", "--seeds", "0"]) == 0
-    assert started == [("tiny", path, ".", "refuse", ["fedavg"], [0])]  # configured runs: in place, no sweep
-    # --root: another params file's runs and grids write beside its outputs
     assert flows.train.main(["tiny", "--params", path, "--root", "runs/x", "--algorithms", "fedavg"]) == 0
-    assert flows.train.main(["tiny", "--params", path, "--root", "runs/x", "--set", "algorithms.fedprox.mu=1,2"]) == 0
-    assert started[1:] == [("tiny", path, "runs/x", "refuse", ["fedavg"], None), ("mu", "runs/x")]
+    assert started[2:] == [("tiny", path, ".", "refuse", ["fedavg"], [0]),  # configured runs: in place
+                           ("tiny", path, "runs/x", "refuse", ["fedavg"], None)]
+
+
+def test_train_refuses_runs_it_does_not_configure_and_names_the_sweep(tmp_path, capsys):
+    import flows.train
+
+    path = write_params(tmp_path)
+    for args, message in ((["--seeds", "7"], "does not run seeds [7]"),
+                          (["--algorithms", "dito"], "does not run algorithms ['dito']")):
+        assert flows.train.main(["tiny", "--params", path, *args]) == 2
+        err = capsys.readouterr().err
+        assert message in err and "python -m flows.sweep" in err
 
 
 def test_a_grids_parent_run_holds_the_grid_and_the_choice_on_validation(tmp_path, monkeypatch):
@@ -141,11 +158,11 @@ def test_a_variants_runs_are_tagged_with_its_algorithm_and_its_run_name():
 def test_a_grid_runs_under_one_mlflow_parent_run_with_one_table(project, prefect_harness, monkeypatch):
     from mlflow.tracking import MlflowClient
 
-    import flows.train
+    import flows.sweep
 
     monkeypatch.chdir(project)
     path = write_params(project)
-    assert flows.train.main(["tiny", "--params", path, "--algorithms", "fedavg", "ditto_v0.5", "--seeds", "0",
+    assert flows.sweep.main(["tiny", "--params", path, "--algorithms", "fedavg", "ditto_v0.5", "--seeds", "0",
                              "--set", "algorithms.ditto_v0.5.mu=0.1,1"]) == 0
     client = MlflowClient(mlflow_uri())
     runs = client.search_runs([client.get_experiment_by_name("tiny-mu").experiment_id], "tags.sweep = 'mu'")

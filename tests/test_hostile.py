@@ -13,15 +13,18 @@ import torch
 import yaml
 
 from conftest import mlflow_uri, tiny_params, tracking
-from flows.train import InlineSteps, main, train_run
+from flows.train import main
 from pfl_tasks.algorithms import validate_params
-from pfl_tasks.config import ConfigError, load_params, parse_params
-from pfl_tasks.data import DataValidationError, load_partition
+from pfl_tasks.config import load_params, parse_params
+from pfl_tasks.data import load_partition
 from pfl_tasks.data.store import MANIFEST, TABLE, _sha256, sealed
 from pfl_tasks.engine.checkpoint import load_checkpoint
-from pfl_tasks.files import UMASK, OutputLock, OutputLockedError, atomic_write_text
+from pfl_tasks.engine.steps import InlineSteps
+from pfl_tasks.errors import ConfigError, DataValidationError, OutputLockedError, TrackingError
+from pfl_tasks.files import UMASK, OutputLock, atomic_write_text
 from pfl_tasks.runs import RunPaths
-from pfl_tasks.tracking import MlflowRun, TrackingError, retrying
+from pfl_tasks.tracking import MlflowRun, retrying
+from pfl_tasks.training import train_run
 
 
 def config_error(data) -> str:
@@ -431,7 +434,7 @@ def test_a_run_left_running_by_a_dead_process_is_marked_failed_a_live_ones_not(p
 # ----------------------------------------------------------------------------- client dropout
 def federation_of(digits, algorithm, hp=None, **federation):
     from pfl_tasks.algorithms import build
-    from pfl_tasks.algorithms.federation import Federation
+    from pfl_tasks.engine.federation import Federation
 
     params = parse_params(tiny_params(federation={"rounds": 3, **federation}))
     return Federation(params.experiment("tiny"), build(algorithm, hp or {}), digits)
@@ -448,7 +451,7 @@ def leaves(tree):
 
 @pytest.mark.parametrize("algorithm, hp", [("fedavg", {}), ("ditto", {"mu": 0.1})])
 def test_aggregation_uses_exactly_the_clients_that_reported(digits, monkeypatch, algorithm, hp):
-    from flows.train import run_round
+    from pfl_tasks.engine.steps import run_round
 
     flaky = federation_of(digits, algorithm, hp, dropout=0.5)
     reported = flaky.sample_clients(0)
@@ -477,8 +480,8 @@ def test_aggregation_uses_exactly_the_clients_that_reported(digits, monkeypatch,
 
 @pytest.mark.parametrize("algorithm", sorted(__import__("pfl_tasks.algorithms", fromlist=["ALGORITHMS"]).ALGORITHMS))
 def test_every_algorithm_survives_half_its_clients_dropping(digits, algorithm):
-    from flows.train import run_round
     from pfl_tasks.algorithms import ALGORITHMS
+    from pfl_tasks.engine.steps import run_round
 
     if ALGORITHMS[algorithm].full_participation:  # refused up front, naming the key
         with pytest.raises(ConfigError, match=rf"experiments.tiny.federation.dropout: {algorithm} needs every client"):

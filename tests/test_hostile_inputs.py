@@ -21,8 +21,9 @@ import yaml
 import pfl_tasks.files as files
 from conftest import tiny_params
 from flows.prepare import prepare
-from pfl_tasks.config import ConfigError, load_params
+from pfl_tasks.config import load_params
 from pfl_tasks.data import load_partition
+from pfl_tasks.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
 

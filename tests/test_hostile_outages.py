@@ -139,8 +139,8 @@ def test_hostile_outage_of_the_mlflow_store_lets_signals_stop_the_run_within_sec
             run.track(experiment, {}, {})
             tracked.set()
             locked.wait(30)
-            for step in run.steps(0):
-                run.log([{"round": step + 1, "acc": 0.5}])
+            for _, stop in run.spans(0, 1):
+                run.log([{"round": stop, "acc": 0.5}])
 
     def another_process():
         tracked.wait(60)

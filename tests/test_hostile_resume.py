@@ -13,11 +13,13 @@ import yaml
 from conftest import mlflow_uri, tiny_params, tracking
 from flows.prepare import prepare
 from flows.tables import build_table
-from flows.train import InlineSteps, train_run
 from pfl_tasks.config import parse_params
-from pfl_tasks.engine.checkpoint import CheckpointError, load_checkpoint
+from pfl_tasks.engine.checkpoint import load_checkpoint
+from pfl_tasks.engine.steps import InlineSteps
+from pfl_tasks.errors import CheckpointError
 from pfl_tasks.reports import best_line, configured_runs, write_report
 from pfl_tasks.runs import RunPaths
+from pfl_tasks.training import train_run
 
 
 def configured(**federation) -> dict:

@@ -18,12 +18,15 @@ import yaml
 
 from conftest import free_port, mlflow_uri, tiny_params, tracking
 from flows.stage import stage_main
-from flows.train import InlineSteps, main, train_run
+from flows.train import main
 from pfl_tasks.config import parse_params
 from pfl_tasks.engine.checkpoint import load_checkpoint, save_checkpoint
-from pfl_tasks.files import OutputLock, OutputLockedError
-from pfl_tasks.reports import ComparisonError, configured_runs
-from pfl_tasks.runs import RunPaths, RunStopped
+from pfl_tasks.engine.steps import InlineSteps
+from pfl_tasks.errors import ComparisonError, OutputLockedError, RunStopped
+from pfl_tasks.files import OutputLock
+from pfl_tasks.reports import configured_runs
+from pfl_tasks.runs import RunPaths
+from pfl_tasks.training import train_run
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -26,7 +26,7 @@ def test_learn2pfed_head_on_upstream_body_resumes_and_lands_in_the_table(project
     from flows.learn2pfed import learn2pfed_flow, run_experiment
     from flows.tables import write_tables
     from flows.train import train_experiment
-    from pfl_tasks.engine.checkpoint import CheckpointError
+    from pfl_tasks.errors import CheckpointError
 
     path = write_params(project, epochs=8)
     with pytest.raises(CheckpointError, match=r"dvc repro train-tiny` first"):  # no upstream checkpoint yet; the stage that exists

@@ -7,11 +7,11 @@ from __future__ import annotations
 import torch
 from conftest import regression_data, split_from, tiny_params
 
-from flows.train import InlineSteps, run_round
 from pfl_tasks.algorithms import build
-from pfl_tasks.algorithms.federation import Federation
 from pfl_tasks.config import parse_params
 from pfl_tasks.data import FederatedData
+from pfl_tasks.engine.federation import Federation
+from pfl_tasks.engine.steps import InlineSteps, run_round
 
 ADAM = {"name": "adam", "lr": 0.05, "weight_decay": 0.01}
 STEPS = 3

@@ -4,8 +4,8 @@ from torch.func import functional_call, grad, vmap
 
 from conftest import tiny_params
 from pfl_tasks.algorithms import build
-from pfl_tasks.algorithms.federation import Federation
 from pfl_tasks.config import CNNNet, LinearNet, LSTMNet, MLPNet, parse_params
+from pfl_tasks.engine.federation import Federation
 from pfl_tasks.engine.state import replicate
 from pfl_tasks.nets import UnrolledLSTM, build_net, head_keys, init_params
 

@@ -1,7 +1,8 @@
 import numpy as np
 import pytest
 
-from pfl_tasks.data.partition import PartitionError, dirichlet, iid, shards, split_train_test
+from pfl_tasks.data.partition import dirichlet, iid, shards, split_train_test
+from pfl_tasks.errors import PartitionError
 
 
 def labels(n=2000, classes=10, seed=0):
@@ -81,7 +82,8 @@ def test_each_client_gets_train_validation_and_test_at_the_configured_fractions(
 
 
 def test_validation_and_test_fractions_must_leave_training_data():
-    from pfl_tasks.config import ConfigError, DatasetConfig, _validate
+    from pfl_tasks.config import DatasetConfig, _validate
+    from pfl_tasks.errors import ConfigError
 
     with pytest.raises(ConfigError, match="test_fraction \\+ val_fraction = 1 leaves no training data"):
         _validate(DatasetConfig, {"source": {"name": "digits"}, "test_fraction": 0.5, "val_fraction": 0.5})

@@ -10,7 +10,7 @@ pytestmark = pytest.mark.slow
 def test_ray_runner_is_bit_identical_to_the_thread_runner(tmp_path, prepared_digits, prefect_harness, monkeypatch):
     import ray
 
-    from pfl_tasks.algorithms.federation import Federation
+    from pfl_tasks.engine.federation import Federation
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     put, puts = ray.put, []

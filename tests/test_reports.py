@@ -17,11 +17,11 @@ from conftest import background_server, free_port, mlflow_uri, ranked_result, ti
 
 from flows.tables import build_table, markdown
 from pfl_tasks.config import parse_params
-from pfl_tasks.reports import (
-    ComparisonError, best_line, collect, summarize, variant, winner_on_validation, write_report,
-)
+from pfl_tasks.errors import ComparisonError
+from pfl_tasks.outputs import pin, write_csv
+from pfl_tasks.reports import best_line, collect, summarize, variant, winner_on_validation, write_report
 from pfl_tasks.stats import mean_ci
-from pfl_tasks.tracking import MlflowRun, pin, write_csv
+from pfl_tasks.tracking import MlflowRun
 
 
 def log_run(tmp, experiment, algorithm, seed, clients, global_clients=None, status="FINISHED",

@@ -2,8 +2,9 @@ import numpy as np
 import pytest
 
 from pfl_tasks.config import DatasetConfig
-from pfl_tasks.data import DataValidationError, build_partition, load_partition, write_partition
+from pfl_tasks.data import build_partition, load_partition, write_partition
 from pfl_tasks.data.schema import validate_partition
+from pfl_tasks.errors import DataValidationError
 
 
 @pytest.fixture(scope="module")

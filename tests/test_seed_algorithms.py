@@ -67,10 +67,10 @@ def shared_representation_clients(n_clients=6, n=240, seed=0):
 
 
 def run_on(data, algorithm, hp=None, rounds=25):
-    from flows.train import InlineSteps, run_round
     from pfl_tasks.algorithms import build
-    from pfl_tasks.algorithms.federation import Federation
     from pfl_tasks.config import parse_params
+    from pfl_tasks.engine.federation import Federation
+    from pfl_tasks.engine.steps import InlineSteps, run_round
 
     params = parse_params(tiny_params(
         model={"kind": "mlp", "hidden": [16]}, federation={"rounds": rounds},
@@ -105,7 +105,7 @@ def test_fedrep_trains_head_then_body_with_the_other_frozen():
 
     class Spy:
         def __init__(self, trainer):
-            self.trainer, self.local, self.client_ids = trainer, trainer.local, trainer.client_ids
+            self.trainer, self.local, self.n_clients, self.rng = trainer, trainer.local, trainer.n_clients, trainer.rng
 
         def fit(self, params, trainable=None, **kw):
             calls.append((sorted(trainable), kw.get("local")))
@@ -189,7 +189,7 @@ def test_apfl_adaptive_alpha_follows_its_gradient_formula():
         mix = alpha[k] * v[k] + (1 - alpha[k]) * theta
         g_mix = 2 * x.T @ (x @ mix - y) / len(y)
         expected.append(alpha[k] - 0.001 * torch.dot(v[k] - theta, g_mix))
-    from flows.train import InlineSteps, run_round
+    from pfl_tasks.engine.steps import InlineSteps, run_round
 
     before = state.clients["alpha"].clone()  # the round updates client stacks in place
     after = run_round(InlineSteps(1), fed, state, 5)
@@ -200,15 +200,15 @@ def test_apfl_adaptive_alpha_follows_its_gradient_formula():
 
 # ----------------------------------------------------------------------------- L2SGD
 def l2sgd_rounds(seed=0, p=0.5, n=40):
-    from pfl_tasks.algorithms.l2sgd import communicates
+    from pfl_tasks.engine.streams import round_generator
 
-    return [communicates(seed, r, p) for r in range(n)]
+    return [round_generator(seed, r, "l2sgd/communicate").random() < p for r in range(n)]
 
 
 def test_l2sgd_expected_step_is_exactly_a_gradient_step_on_its_objective():
     """(1-p) * local branch + p * averaging branch = Theta - lr grad F(Theta), F = f + lam phi."""
-    from flows.train import InlineSteps, run_round
-    from pfl_tasks.algorithms.federation import RunState
+    from pfl_tasks.engine.federation import RunState
+    from pfl_tasks.engine.steps import InlineSteps, run_round
 
     lam, p, lr = 2.0, 0.3, 0.2
     coins = l2sgd_rounds(p=p)
@@ -235,7 +235,7 @@ def test_l2sgd_communicates_with_probability_p():
 
 
 def l2sgd_average_iterate(lam, lr, rounds=1500, tail=1000):
-    from flows.train import InlineSteps, run_round
+    from pfl_tasks.engine.steps import InlineSteps, run_round
 
     xs, ys, fed, state = lsq_federation("l2sgd", {"lam": lam, "p": 0.5, "lr": lr}, rounds=0)
     total = 0
@@ -302,10 +302,10 @@ def test_fpfc_recovers_hidden_groups_without_their_number():
     from sklearn.metrics import adjusted_rand_score
 
     from conftest import regression_data
-    from flows.train import InlineSteps, run_round
     from pfl_tasks.algorithms import build
-    from pfl_tasks.algorithms.federation import Federation
     from pfl_tasks.config import parse_params
+    from pfl_tasks.engine.federation import Federation
+    from pfl_tasks.engine.steps import InlineSteps, run_round
 
     xs, ys, groups = grouped_regression_clients()
     params = parse_params(tiny_params(
@@ -331,10 +331,10 @@ def test_fpfc_recovers_hidden_groups_without_their_number():
 
 def test_fpfc_partial_participation_updates_only_active_pairs():
     from conftest import regression_data
-    from flows.train import InlineSteps, run_round
     from pfl_tasks.algorithms import build
-    from pfl_tasks.algorithms.federation import Federation
     from pfl_tasks.config import parse_params
+    from pfl_tasks.engine.federation import Federation
+    from pfl_tasks.engine.steps import InlineSteps, run_round
 
     xs, ys, _ = grouped_regression_clients()
     params = parse_params(tiny_params(
@@ -411,11 +411,11 @@ def test_fedcr_kl_gradient_matches_the_analytic_diagonal_gaussian_kl():
 def test_fedcr_without_alignment_or_noise_is_a_gradient_step_on_its_predictions_cross_entropy():
     """beta = 0 and z = mu: FedPer with the encoder in the shared body. One full-batch SGD step
     of one client equals a step on the cross-entropy of FedCR's own evaluation forward pass."""
-    from flows.train import InlineSteps, run_round
     from pfl_tasks.algorithms import build
-    from pfl_tasks.algorithms.federation import Federation
     from pfl_tasks.config import parse_params
     from pfl_tasks.data import FederatedData
+    from pfl_tasks.engine.federation import Federation
+    from pfl_tasks.engine.steps import InlineSteps, run_round
 
     full = shared_representation_clients(n_clients=1)
     data = FederatedData("one", "classification", 3, (8,), full.train, full.train, full.train, "one")
@@ -439,11 +439,11 @@ def test_fedcr_without_alignment_or_noise_is_a_gradient_step_on_its_predictions_
 def test_apfl_iterate_averages_match_a_brute_force_running_average():
     """With partial participation the lazy per-client sums equal averaging every round's
     mixture alpha_k v_k + (1 - alpha_k) theta with weights p_r = (r tau + a)^2."""
-    from flows.train import InlineSteps, run_round
-    from pfl_tasks.algorithms import build
-    from pfl_tasks.algorithms.federation import Federation
-    from pfl_tasks.config import parse_params
     from conftest import least_squares_clients, regression_data
+    from pfl_tasks.algorithms import build
+    from pfl_tasks.config import parse_params
+    from pfl_tasks.engine.federation import Federation
+    from pfl_tasks.engine.steps import InlineSteps, run_round
 
     xs, ys = least_squares_clients()
     params = parse_params(tiny_params(
@@ -499,7 +499,7 @@ def test_pfedme_restarts_the_personal_model_from_the_received_model_each_round()
     change that round's outcome."""
     from dataclasses import replace
 
-    from flows.train import InlineSteps, run_round
+    from pfl_tasks.engine.steps import InlineSteps, run_round
 
     data = shared_representation_clients()
     fed, state = run_on(data, "pfedme", rounds=2)
@@ -515,8 +515,8 @@ def test_fedcr_starts_with_small_noise_on_unrectified_features():
     """The authors' encoder: mu and sigma from one linear layer over the body's features,
     sigma = softplus(s - 5) ~ 0.007, so the noise does not drown the features at the start."""
     from pfl_tasks.algorithms import build
-    from pfl_tasks.algorithms.base import Facts
     from pfl_tasks.config import parse_params
+    from pfl_tasks.engine.federation import Facts
     from pfl_tasks.nets import build_net, init_params
 
     net = build_net(parse_params(tiny_params(model={"kind": "mlp", "hidden": [16]})).experiment("tiny").model, (8,), 3)

@@ -10,7 +10,9 @@ import yaml
 from conftest import background_server, free_port, mlflow_uri, tiny_params
 
 from pfl_tasks.algorithms import validate_params
-from pfl_tasks.config import ConfigError, SweepConfig, parse_params
+from pfl_tasks.config import SweepConfig, parse_params
+from pfl_tasks.errors import ConfigError
+from pfl_tasks.grid import sweep_params
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -29,23 +31,23 @@ def test_sweep_parameters_are_validated_like_params_yaml(tmp_path):
     path = str(write_params(tmp_path))
     sweep = SweepConfig(name="s1", experiment="tiny", algorithms=["fedavg"], seeds=[3, 4],
                         overrides={"federation.rounds": 7, "algorithms.fedprox.mu": 0.1}, params_path=path)
-    raw = sweep.params()
+    raw = sweep_params(sweep)
     assert list(raw["experiments"]) == ["tiny-s1"]
     exp = raw["experiments"]["tiny-s1"]
     assert exp["algorithms"] == ["fedavg"] and exp["seeds"] == [3, 4]
     assert raw["federation"]["rounds"] == 7 and raw["algorithms"]["fedprox"]["mu"] == 0.1
 
     with pytest.raises(ConfigError, match=r"federation: unknown key\(s\) \['roundz'\]"):
-        SweepConfig(name="s", experiment="tiny", overrides={"federation.roundz": 7}, params_path=path).params()
+        sweep_params(SweepConfig(name="s", experiment="tiny", overrides={"federation.roundz": 7}, params_path=path))
     with pytest.raises(ConfigError, match=r"federation.rounds"):
-        SweepConfig(name="s", experiment="tiny", overrides={"federation.rounds": "many"}, params_path=path).params()
+        sweep_params(SweepConfig(name="s", experiment="tiny", overrides={"federation.rounds": "many"}, params_path=path))
     with pytest.raises(ConfigError, match=r"'seed' is not a section"):
-        SweepConfig(name="s", experiment="tiny", overrides={"seed.x": 1}, params_path=path).params()
+        sweep_params(SweepConfig(name="s", experiment="tiny", overrides={"seed.x": 1}, params_path=path))
     with pytest.raises(ConfigError, match=r"sweep.experiment: 'nope'"):
-        SweepConfig(name="s", experiment="nope", params_path=path).params()
+        sweep_params(SweepConfig(name="s", experiment="nope", params_path=path))
     with pytest.raises(ConfigError, match=r"experiments.tiny-s.algorithms\[0\]: unknown algorithm 'dito'"):
-        validate_params(parse_params(SweepConfig(name="s", experiment="tiny", algorithms=["dito"],
-                                                 params_path=path).params()))
+        validate_params(parse_params(sweep_params(SweepConfig(name="s", experiment="tiny", algorithms=["dito"],
+                                                 params_path=path))))
     with pytest.raises(ValueError, match="name"):
         SweepConfig(name="../escape", experiment="tiny")
 

@@ -8,9 +8,10 @@ from pydantic import ValidationError
 
 from pfl_tasks.config import DatasetConfig, FashionMNISTSource
 from pfl_tasks.data import build_partition
-from pfl_tasks.data.partition import PartitionError, chronological_split, standardize_by_train
+from pfl_tasks.data.partition import chronological_split, standardize_by_train
 from pfl_tasks.data.schema import validate_partition
-from pfl_tasks.data.sources import RawDataset, SourceError, chicago, fashion_mnist
+from pfl_tasks.data.sources import RawDataset, chicago, fashion_mnist
+from pfl_tasks.errors import PartitionError, SourceError
 
 RNG = np.random.default_rng(0)
 

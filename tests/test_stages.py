@@ -6,7 +6,7 @@ import yaml
 
 from conftest import listing_defaults
 from flows.stages import dvc_yaml, stages
-from pfl_tasks.config import ConfigError
+from pfl_tasks.errors import ConfigError
 from pfl_tasks.imports import ROOT, numeric_code
 
 
@@ -21,7 +21,8 @@ def test_a_run_depends_on_the_numeric_core_and_its_own_algorithm_not_the_others_
             "pfl_tasks/engine/executor.py", "pfl_tasks/nets.py", "pfl_tasks/data/store.py",
             "pfl_tasks/config.py"} <= code
     assert not {"pfl_tasks/algorithms/fedprox.py", "pfl_tasks/algorithms/__init__.py",  # another, the registration
-                "pfl_tasks/tracking.py", "pfl_tasks/runs.py", "pfl_tasks/reports.py",  # plumbing
+                "pfl_tasks/tracking.py", "pfl_tasks/outputs.py", "pfl_tasks/selection.py", "pfl_tasks/runs.py",
+                "pfl_tasks/reports.py", "pfl_tasks/training.py",  # plumbing
                 "flows/train.py", "flows/stage.py", "flows/sweep.py"} & code
 
 
@@ -44,11 +45,17 @@ def test_a_stage_per_experiment_with_the_params_its_runs_read(tmp_path):
     # the curves are data, not DVC plots: Vega charts would load their scripts from a CDN
     assert "plots" not in train and {"plots/e": {"cache": False, "persist": True}} in train["outs"]
     assert {"pfl_tasks/algorithms/ditto.py", "pfl_tasks/algorithms/fedavg.py"} <= set(train["deps"])
-    assert not {"pfl_tasks/algorithms/fedprox.py", "pfl_tasks/tracking.py", "pfl_tasks/reports.py"} & set(train["deps"])
+    # an edit to the MLflow store, the run outputs or the CLI stales no train stage
+    assert not {"pfl_tasks/algorithms/fedprox.py", "pfl_tasks/tracking.py", "pfl_tasks/outputs.py",
+                "pfl_tasks/reports.py", "flows/train.py", "flows/stage.py"} & set(train["deps"])
     assert train["cmd"] == "python -m flows.train e --on-config-change restart"
     assert all(next(iter(o.values()))["persist"] for key in ("outs", "metrics") for o in train[key])
     assert "pfl_tasks/reports.py" in out["compare"]["deps"]
-    assert not {"pfl_tasks/tracking.py", "pfl_tasks/runs.py"} & set(out["prepare-d"]["deps"])
+    # prepare depends on config, data and files only
+    assert {d for d in out["prepare-d"]["deps"] if d.startswith("pfl_tasks/")} == {
+        "pfl_tasks/__init__.py", "pfl_tasks/config.py", "pfl_tasks/errors.py", "pfl_tasks/files.py",
+        "pfl_tasks/data/__init__.py", "pfl_tasks/data/partition.py", "pfl_tasks/data/schema.py",
+        "pfl_tasks/data/sources.py", "pfl_tasks/data/store.py"}
 
 
 def test_a_run_whose_hyper_parameters_are_not_all_listed_is_refused_with_their_defaults(tmp_path):

@@ -101,7 +101,7 @@ class APFL(Algorithm):
         hp, local = self.hp, trainer.local
         cfg, alpha_lr = local.optimizer, hp.alpha_lr or local.optimizer.lr
         if hp.average_iterates:
-            k = len(trainer.client_ids)
+            k = trainer.n_clients
             state = {**state, "mix_sum": self.catch_up(state, payload["weight_sum"], payload["global_sum"]),
                      "seen_weight": payload["weight_sum"].expand(k).clone(),
                      "seen_global": {n: v.expand(k, *v.shape).clone() for n, v in payload["global_sum"].items()}}
@@ -120,7 +120,7 @@ class APFL(Algorithm):
                     "opt_theta": opt_theta, "opt_local": opt_local}
 
         trained = ("local", "alpha", "steps_done")
-        received = broadcast(payload["global"], len(trainer.client_ids))
+        received = broadcast(payload["global"], trainer.n_clients)
         start = {"theta": received, **{k: state[k] for k in trained},
                  "opt_theta": optim.start(cfg, received), "opt_local": optim.start(cfg, state["local"])}
         out = trainer.scan(start, step)

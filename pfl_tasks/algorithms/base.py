@@ -28,7 +28,6 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
@@ -37,10 +36,10 @@ from torch import nn
 from torch.func import functional_call
 
 from pfl_tasks.engine.executor import LocalTrainer, clientwise
+from pfl_tasks.engine.federation import Facts
 from pfl_tasks.engine.state import Params, Tree, replicate
 
 ValLoss = Callable[[Tree, bool, Callable], torch.Tensor]
-EVAL_STREAM = 0xE7A1  # minibatch stream of evaluation-time local work; no training fit uses it
 
 
 def proximal(mu: float):
@@ -61,15 +60,6 @@ class PersonalModels:
 
     def personalized(self, server: Tree, state: Tree) -> tuple[Params, bool]:
         return state["personal"], True
-
-
-@dataclass(frozen=True)
-class Facts:
-    """What the server knows of its federation before the first round."""
-
-    n_clients: int
-    local_steps: int  # per round (epochs when the budget is in epochs): the synchronization gap
-    seed: int = 0  # of the run, for server-side initialization
 
 
 class HyperParams(BaseModel):
@@ -117,7 +107,7 @@ class Algorithm(ABC):
 
     def personalize(self, trainer: LocalTrainer, server: Tree, state: Tree, val_loss: ValLoss) -> tuple[Tree, bool]:
         """What a chunk is evaluated with, as `personalized`; `trainer` holds the chunk's training
-        data, for local work at evaluation time (its fits use streams from `EVAL_STREAM` on), and
+        data, for local work at evaluation time (its fits draw from `trainer.rng("evaluation", ...)`), and
         `val_loss(params, stacked, forward)` scores a candidate on each client's validation
         split [K], for what is selected at evaluation time (never the test split)."""
         return self.personalized(server, state)

@@ -31,7 +31,7 @@ class Ditto(PersonalModels, FedAvg):
     Hyper = DittoHyper
 
     def client_update(self, trainer, payload, state):
-        start = broadcast(payload["global"], len(trainer.client_ids))
+        start = broadcast(payload["global"], trainer.n_clients)
         global_k = trainer.fit(start)
-        personal = trainer.fit(state["personal"], proximal(self.hp.mu), aux=start, stream=1)
+        personal = trainer.fit(state["personal"], proximal(self.hp.mu), aux=start, stream=trainer.rng("ditto/personal"))
         return {"params": global_k}, {"personal": personal}

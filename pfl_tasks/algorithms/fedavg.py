@@ -9,8 +9,8 @@ from __future__ import annotations
 from typing import Literal
 
 from pfl_tasks.algorithms.base import Algorithm, HyperParams
-from pfl_tasks.engine.executor import data_objective
 from pfl_tasks.algorithms.registry import register
+from pfl_tasks.engine.executor import data_objective
 from pfl_tasks.engine.state import broadcast, weighted_mean
 
 
@@ -28,7 +28,7 @@ class FedAvg(Algorithm):
         return data_objective
 
     def client_update(self, trainer, payload, state):
-        k = len(trainer.client_ids)
+        k = trainer.n_clients
         start = broadcast(payload["global"], k)
         trained = trainer.fit(start, self.objective(), aux=start)
         return {"params": trained}, state

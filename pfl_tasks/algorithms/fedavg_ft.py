@@ -22,7 +22,7 @@ import torch
 
 from pydantic import Field
 
-from pfl_tasks.algorithms.base import EVAL_STREAM, HyperParams
+from pfl_tasks.algorithms.base import HyperParams
 from pfl_tasks.algorithms.fedavg import FedAvg, FedAvgHyper
 from pfl_tasks.algorithms.fedprox import FedProx, FedProxHyper
 from pfl_tasks.algorithms.registry import register
@@ -46,10 +46,10 @@ class FineTune:
             "epochs": None if hp.ft_steps else 1,
             "optimizer": local.optimizer.model_copy(update={"lr": hp.ft_lr or local.optimizer.lr}),
         })
-        model = broadcast(server["global"], len(trainer.client_ids))
+        model = broadcast(server["global"], trainer.n_clients)
         best, best_loss = model, val_loss(model, True, self.forward)
         for s in range(hp.ft_epochs):
-            model = trainer.fit(model, stream=EVAL_STREAM + s, local=stage)
+            model = trainer.fit(model, stream=trainer.rng("evaluation", s), local=stage)
             loss = val_loss(model, True, self.forward)
             better = loss < best_loss
             best = {k: torch.where(per_row(better.to(v.device), v), v, best[k]) for k, v in model.items()}

@@ -30,7 +30,6 @@ from __future__ import annotations
 import math
 from typing import Annotated
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from pydantic import Field
@@ -39,8 +38,8 @@ from torch.func import functional_call, grad
 from pfl_tasks.algorithms.base import Algorithm, HyperParams
 from pfl_tasks.algorithms.registry import register
 from pfl_tasks.engine import optim
-from pfl_tasks.engine.executor import client_seed
 from pfl_tasks.engine.state import broadcast, replicate
+from pfl_tasks.engine.streams import run_seed
 from pfl_tasks.nets import head_keys
 
 ENCODER_KEYS = ("encoder.weight", "encoder.bias")
@@ -69,7 +68,7 @@ def product_of_experts(precisions, precision_means, present):
 def encoder_init(width: int, seed: int) -> dict[str, torch.Tensor]:
     """`nn.Linear(width, 2 width)`'s default initialization, from a stream of the run's seed of
     its own (the net's layers draw from the seed itself)."""
-    gen = torch.Generator().manual_seed(int(np.random.SeedSequence([seed, 0xFEDC]).generate_state(1)[0]))
+    gen = torch.Generator().manual_seed(run_seed(seed, "fedcr/encoder"))
     bound = 1 / math.sqrt(width)
     return {"encoder.weight": (torch.rand(2 * width, width, generator=gen) * 2 - 1) * bound,
             "encoder.bias": (torch.rand(2 * width, generator=gen) * 2 - 1) * bound}
@@ -125,7 +124,7 @@ class FedCR(Algorithm):
     forward_global = forward
 
     def client_update(self, trainer, payload, state):
-        hp, cfg, k = self.hp, trainer.local.optimizer, len(trainer.client_ids)
+        hp, cfg, k = self.hp, trainer.local.optimizer, trainer.n_clients
         net = trainer.net
         names = set(state["head"])
         n_classes, width = payload["class_mean"].shape
@@ -133,11 +132,8 @@ class FedCR(Algorithm):
         samples = hp.samples if hp.stochastic else 1
 
         def noise(steps, batch):
-            return {"eps": torch.stack([
-                torch.randn(steps, batch, samples, width, generator=torch.Generator().manual_seed(
-                    client_seed(trainer.seed, trainer.round_idx, int(c), 7)))
-                for c in trainer.client_ids
-            ]).to(device)}
+            return {"eps": torch.stack([torch.randn(steps, batch, samples, width, generator=generator)
+                                        for generator in trainer.rng("fedcr/noise").client_generators()]).to(device)}
 
         def objective(params, batch_):
             mu, var = self.features(net, params, batch_.x, names)

@@ -46,7 +46,7 @@ class FedDyn(Algorithm):
         return data_loss(params) - linear + 0.5 * self.hp.alpha * prox
 
     def client_update(self, trainer, payload, state):
-        anchor = broadcast(payload["global"], len(trainer.client_ids))
+        anchor = broadcast(payload["global"], trainer.n_clients)
         theta = trainer.fit(anchor, self.objective, aux={"anchor": anchor, "grad": state["grad"]})
         grad = tree_zip(lambda g, t, a: g - self.hp.alpha * (t - a), state["grad"], theta, anchor)
         return {"params": theta}, {"grad": grad}

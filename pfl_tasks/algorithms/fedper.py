@@ -33,7 +33,7 @@ class FedPer(Algorithm):
         return {"body": server["body"]}
 
     def start(self, trainer, payload, state):
-        return {**broadcast(payload["body"], len(trainer.client_ids)), **state["head"]}
+        return {**broadcast(payload["body"], trainer.n_clients), **state["head"]}
 
     def local_train(self, trainer, params):
         return trainer.fit(params)

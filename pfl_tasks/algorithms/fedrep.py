@@ -30,5 +30,5 @@ class FedRep(FedPer):
     def local_train(self, trainer, params):
         head = head_keys(params)
         head_budget = trainer.local.model_copy(update={"epochs": self.hp.head_epochs, "steps": None})
-        params = trainer.fit(params, trainable=head, local=head_budget, stream=1)
+        params = trainer.fit(params, trainable=head, local=head_budget, stream=trainer.rng("fedrep/head"))
         return trainer.fit(params, trainable=set(params) - head)

@@ -29,7 +29,7 @@ from torch.func import functional_call
 
 from pfl_tasks.algorithms.fedavg import FedAvg, FedAvgHyper
 from pfl_tasks.algorithms.registry import register
-from pfl_tasks.engine.state import broadcast, to_device
+from pfl_tasks.engine.state import broadcast
 from pfl_tasks.nets import embed, split_net
 
 
@@ -68,20 +68,16 @@ class KNNPer(FedAvg):
     def personalize(self, trainer, server, state, val_loss):
         """The global model and, per client, its datastore of training embeddings and its lam."""
         require_classification(trainer.task)
-        model, counts = server["global"], trainer.counts  # counts on the host
+        model, k = server["global"], trainer.n_clients
         body, body_params, _, _ = split_net(trainer.net, model)
-        position = torch.arange(int(counts.max()))
-        mask = position < counts[:, None]
-        rows = trainer.offsets[:, None] + position * mask  # padding repeats the first row
-        rows, mask = to_device({"rows": rows, "mask": mask}, trainer.device).values()
-        x = trainer.train.x[rows.flatten()]
-        keys = embed(body, body_params, x)
-        store = {"keys": keys.view(*rows.shape, -1), "labels": trainer.train.y[rows], "mask": mask}
-        views = {"model": broadcast(model, len(counts)), "store": store}
+        x, y, mask = trainer.samples()
+        keys = embed(body, body_params, x.flatten(0, 1))
+        store = {"keys": keys.view(*mask.shape, -1), "labels": y, "mask": mask}
+        views = {"model": broadcast(model, k), "store": store}
         if self.hp.lam is not None:
-            return {**views, "lam": keys.new_full((len(counts),), self.hp.lam)}, True
+            return {**views, "lam": keys.new_full((k,), self.hp.lam)}, True
         grid = torch.linspace(0, 1, 21, device=keys.device)
-        losses = torch.stack([val_loss({**views, "lam": lam.expand(len(counts))}, True, self.forward) for lam in grid])
+        losses = torch.stack([val_loss({**views, "lam": lam.expand(k)}, True, self.forward) for lam in grid])
         return {**views, "lam": grid[losses.argmin(0).to(grid.device)]}, True
 
     def forward(self, net, params, x):

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from typing import Annotated
 
-import numpy as np
 import torch
 from pydantic import Field
 
@@ -29,10 +28,6 @@ class L2SGDHyper(HyperParams):
     lam: Annotated[float, Field(ge=0)] = 1.0
     p: Annotated[float, Field(gt=0, lt=1)] = 0.5
     lr: Annotated[float, Field(gt=0)] = 1.0
-
-
-def communicates(seed: int, round_idx: int, p: float) -> bool:
-    return bool(np.random.default_rng([seed, round_idx, 0x125]).random() < p)
 
 
 @register
@@ -57,7 +52,7 @@ class L2SGD(Algorithm):
 
     def client_update(self, trainer, payload, state):
         params = self.averaging_step(state["params"], payload)
-        if communicates(trainer.seed, trainer.round_idx, self.hp.p):
+        if trainer.rng("l2sgd/communicate").uniform() < self.hp.p:  # this round averages
             return {"params": params}, {"params": params}
         step = self.hp.lr / (int(payload["n_clients"]) * (1 - self.hp.p))
         one_step = trainer.local.model_copy(

@@ -27,15 +27,11 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import Annotated
 
-import numpy as np
 import torch
 from pydantic import Field
 
 from pfl_tasks.algorithms.base import Algorithm, HyperParams, PersonalModels
 from pfl_tasks.algorithms.registry import register
-
-PROJECTION_STREAM = 0x9A0  # keys P's draws apart from every other use of the seed
-
 
 class LpProjHyper(HyperParams):
     lam: Annotated[float, Field(gt=0)] = 1.0
@@ -45,13 +41,12 @@ class LpProjHyper(HyperParams):
 
 
 @lru_cache(maxsize=4)
-def projection(seed: int, dim: int, size: int, device: torch.device = torch.device("cpu")) -> torch.Tensor:
+def projection(key: int, dim: int, size: int, device: torch.device = torch.device("cpu")) -> torch.Tensor:
     """P [dim, size] with unit-norm Gaussian rows, the same for every party sharing `seed`:
     drawn on the host, uploaded once per device."""
     if device.type != "cpu":
-        return projection(seed, dim, size).to(device)
-    key = np.random.SeedSequence([seed, PROJECTION_STREAM]).generate_state(1)[0]
-    rows = torch.randn(dim, size, generator=torch.Generator().manual_seed(int(key)))
+        return projection(key, dim, size).to(device)
+    rows = torch.randn(dim, size, generator=torch.Generator().manual_seed(key))
     return rows / rows.norm(dim=1, keepdim=True)
 
 
@@ -88,10 +83,10 @@ class LpProj(PersonalModels, Algorithm):
     def client_update(self, trainer, payload, state):
         hp, personal = self.hp, state["personal"]
         size = sum(v[0].numel() for v in personal.values())
-        proj = projection(trainer.seed, hp.dim, size, payload["w"].device)
-        w = payload["w"].expand(len(trainer.client_ids), hp.dim)
+        proj = projection(trainer.rng("lp_proj/projection").run_seed(), hp.dim, size, payload["w"].device)
+        w = payload["w"].expand(trainer.n_clients, hp.dim)
         for r in range(hp.local_rounds):
-            personal = trainer.fit(personal, coupled(hp.lam, proj), aux={"w": w}, stream=r)
+            personal = trainer.fit(personal, coupled(hp.lam, proj), aux={"w": w}, stream=trainer.rng("lp_proj/local", r))
             w = w - hp.lr * hp.lam * (w - flatten(personal, 1) @ proj.T)
         return {"w": w}, {"personal": personal}
 

@@ -79,6 +79,6 @@ class PFedMac(PFedMe):
             theta, opt = optim.apply(cfg, theta, pull, carry["opt"])
             return {"theta": theta, "personal": omega, "opt": opt}
 
-        received = broadcast(payload["global"], len(trainer.client_ids))
+        received = broadcast(payload["global"], trainer.n_clients)
         out = trainer.scan({"theta": received, "personal": state["personal"], "opt": optim.start(cfg, received)}, step)
         return {"params": out["theta"]}, {"personal": out["personal"]}

@@ -61,7 +61,7 @@ class PFedMe(PersonalModels, Algorithm):
             omega, opt = optim.apply(cfg, omega, envelope_grad, carry["opt"])
             return {"omega": omega, "personal": theta, "opt": opt}
 
-        received = broadcast(payload["global"], len(trainer.client_ids))
+        received = broadcast(payload["global"], trainer.n_clients)
         out = trainer.scan({"omega": received, "personal": received, "opt": optim.start(cfg, received)}, step)
         return {"params": out["omega"]}, {"personal": out["personal"]}
 

@@ -9,7 +9,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from pfl_tasks.config import ConfigError, Params
+from pfl_tasks.config import Params
+from pfl_tasks.errors import ConfigError
 
 ALGORITHMS: dict[str, type] = {}
 

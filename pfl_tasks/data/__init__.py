@@ -1,13 +1,11 @@
 """Data layer: sources, partitioners, pandera schemas and the partition store."""
 
-from pfl_tasks.data.schema import DataValidationError
 from pfl_tasks.data.store import (
     PARTITIONS, ClientSplit, FederatedData, build_partition, load_partition, partition_dir, write_partition,
 )
 
 __all__ = [
     "ClientSplit",
-    "DataValidationError",
     "FederatedData",
     "PARTITIONS",
     "build_partition",

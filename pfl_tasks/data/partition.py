@@ -15,10 +15,7 @@ from pfl_tasks.config import (
     ShardsPartition,
 )
 from pfl_tasks.data.sources import RawDataset
-
-
-class PartitionError(ValueError):
-    pass
+from pfl_tasks.errors import PartitionError
 
 
 def assign_clients(data: RawDataset, cfg, rng: np.random.Generator) -> np.ndarray:

@@ -6,11 +6,9 @@ import numpy as np
 import pandas as pd
 import pandera.pandas as pa
 
+from pfl_tasks.errors import DataValidationError
+
 FEATURE_PATTERN = r"^f\d+$"
-
-
-class DataValidationError(ValueError):
-    """A partition table breaks the schema; the message names the column or client."""
 
 
 def partition_schema(task: str, n_classes: int, n_clients: int) -> pa.DataFrameSchema:

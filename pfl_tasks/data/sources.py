@@ -24,12 +24,9 @@ from pfl_tasks.config import (
     PolynomialSource,
     SyntheticSource,
 )
+from pfl_tasks.errors import SourceError
 
 Task = Literal["classification", "regression"]
-
-
-class SourceError(ValueError):
-    """A source's files are missing or malformed; the message names the file and the fix."""
 
 
 @dataclass(frozen=True)

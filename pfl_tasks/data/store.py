@@ -15,10 +15,11 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pfl_tasks.config import DatasetConfig, config_hash
-from pfl_tasks.files import atomic_directory
 from pfl_tasks.data.partition import SPLITS, assign_clients, split_clients, standardize_by_train
-from pfl_tasks.data.schema import DataValidationError, validate_partition
+from pfl_tasks.data.schema import validate_partition
 from pfl_tasks.data.sources import RawDataset, load_source
+from pfl_tasks.errors import DataValidationError
+from pfl_tasks.files import atomic_directory
 
 TABLE = "partition.parquet"
 MANIFEST = "manifest.json"

@@ -11,13 +11,10 @@ from pathlib import Path
 
 import torch
 
+from pfl_tasks.errors import CheckpointError
 from pfl_tasks.files import atomic_write
 
 FORMAT = "pfl-checkpoint/1"
-
-
-class CheckpointError(RuntimeError):
-    pass
 
 
 def save_checkpoint(path: Path, payload: dict) -> None:

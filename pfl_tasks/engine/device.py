@@ -12,7 +12,8 @@ import os
 
 import torch
 
-from pfl_tasks.config import ConfigError, EngineConfig
+from pfl_tasks.config import EngineConfig
+from pfl_tasks.errors import ConfigError
 
 
 def resolve_device(name: str) -> torch.device:

@@ -27,6 +27,7 @@ from pfl_tasks.config import LocalConfig
 from pfl_tasks.data import ClientSplit
 from pfl_tasks.engine import optim
 from pfl_tasks.engine.state import Params, Stack, Tree, to_device, tree_map, tree_zip
+from pfl_tasks.engine.streams import STREAMS, Stream
 from pfl_tasks.nets import frozen_prefix, stackable, stacked_forward
 
 DataLoss = Callable[[Params], torch.Tensor]
@@ -76,12 +77,6 @@ def clientwise(fn):
 @clientwise
 def data_objective(data_loss, params, aux):
     return data_loss(params)
-
-
-def client_seed(seed: int, round_idx: int, client_id: int, stream: int) -> int:
-    """Counter-based seed for a client's own draws (e.g. FedCR's noise): the same (seed, round,
-    client, stream) always draws the same numbers, whatever the chunking, executor or resume point."""
-    return int(np.random.SeedSequence([seed, round_idx, client_id, stream]).generate_state(1)[0])
 
 
 @dataclass(frozen=True)
@@ -161,40 +156,63 @@ def per_sample_loss(task: str, out: torch.Tensor, y: torch.Tensor) -> torch.Tens
 
 class LocalTrainer(ABC):
     """Trains stacked client parameters on a chunk's own data (base of both executors).
-    `train` holds its samples on the device and its offsets and counts on the host: the
-    schedule is built on the host and uploaded once per fit, so no step waits on the device."""
+
+    What an algorithm may use: `net` (a storage-free module for `functional_call`), `task`,
+    `local` (the local budget and optimizer), `device`, `n_clients` (the chunk's), `fit` and
+    `scan`, the chunk's training `samples()`, and its named random streams (`rng`). Its
+    samples stay on the device and their offsets and counts on the host: the schedule is built
+    on the host and uploaded once per fit, so no step waits on the device."""
 
     def __init__(
         self, net: nn.Module, task: str, train: ClientSplit, client_ids: torch.Tensor,
         local: LocalConfig, seed: int, round_idx: int,
     ):
-        self.net, self.task, self.train, self.local = net, task, train, local
-        self.client_ids, self.seed, self.round_idx = client_ids.cpu(), seed, round_idx
+        self.net, self.task, self.local = net, task, local
         self.device = train.x.device
-        self.offsets = train.offsets[self.client_ids]
-        self.counts = train.counts[self.client_ids]
+        self._train, self._client_ids, self._seed, self._round_idx = train, client_ids.cpu(), seed, round_idx
+        self._offsets = train.offsets[self._client_ids]
+        self._counts = train.counts[self._client_ids]
         # compute spent: samples x forward-backward passes, summed over the chunk's clients
         self.grad_samples = 0
         self._passes = 0  # of the vectorized step being traced
 
-    def schedule(self, stream: int, local: LocalConfig) -> Schedule:
-        return batch_schedule(self.counts, self.client_ids, local, self.seed, self.round_idx, stream)
+    @property
+    def n_clients(self) -> int:
+        return len(self._client_ids)
+
+    def rng(self, name: str, index: int = 0) -> Stream:
+        """This round's random stream `name` (`pfl_tasks.engine.streams.STREAMS`), the `index`-th
+        of its family: `fit(..., stream=trainer.rng("ditto/personal"))`, or an algorithm's own draws."""
+        return Stream(name, STREAMS[name] + index, self._seed, self._round_idx, self._client_ids)
+
+    def samples(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Every training sample of the chunk's clients, padded to the largest client, on the
+        device: x [K, N, ...], y [K, N] and mask [K, N] (false on padding, which repeats the
+        client's first sample)."""
+        position = torch.arange(int(self._counts.max()))
+        mask = position < self._counts[:, None]
+        up = to_device({"rows": self._offsets[:, None] + position * mask, "mask": mask}, self.device)
+        return take(self._train.x, up["rows"]), take(self._train.y, up["rows"]), up["mask"]
+
+    def schedule(self, stream: Stream | None, local: LocalConfig) -> Schedule:
+        number = (stream or self.rng("local")).number
+        return batch_schedule(self._counts, self._client_ids, local, self._seed, self._round_idx, number)
 
     def _rows(self, sched: Schedule) -> torch.Tensor:
         """[K, S, B] rows of the flat split, on the device (one upload)."""
-        return to_device({"rows": self.offsets[:, None, None] + sched.index}, self.device)["rows"]
+        return to_device({"rows": self._offsets[:, None, None] + sched.index}, self.device)["rows"]
 
     @abstractmethod
     def fit(
         self, params: Stack, objective: Objective = data_objective, aux: Stack | None = None,
-        stream: int = 0, trainable: set[str] | None = None, local: LocalConfig | None = None,
+        stream: Stream | None = None, trainable: set[str] | None = None, local: LocalConfig | None = None,
     ) -> Stack:
         """Run the local budget on `params` [K, ...]; returns the trained stack.
-        Only keys in `trainable` (default: all) are optimized; `stream` separates the
-        minibatch draws of several fits in one round; `local` overrides steps/optimizer."""
+        Only keys in `trainable` (default: all) are optimized; `stream` (default: `rng("local")`)
+        separates the minibatch draws of several fits in one round; `local` overrides steps/optimizer."""
 
     @abstractmethod
-    def scan(self, carry: Tree, step: Step, aux: Tree | None = None, stream: int = 0,
+    def scan(self, carry: Tree, step: Step, aux: Tree | None = None, stream: Stream | None = None,
              local: LocalConfig | None = None,
              per_step: Callable[[int, int], Tree] | None = None) -> Tree:
         """Run `step(carry_k, data_loss, aux_k, batch) -> carry_k` once per local step, each on
@@ -218,7 +236,7 @@ class LocalTrainer(ABC):
 
 
 class VectorizedTrainer(LocalTrainer):
-    def fit(self, params, objective=data_objective, aux=None, stream=0, trainable=None, local=None):
+    def fit(self, params, objective=data_objective, aux=None, stream=None, trainable=None, local=None):
         local = local or self.local
         order, plans = self._plan(self.schedule(stream, local))
         keys = trainable if trainable is not None else set(params)
@@ -244,7 +262,7 @@ class VectorizedTrainer(LocalTrainer):
             grads_of = vmap(grad(client_objective))
         opt_state = optim.init_state(local.optimizer, train)
         for s, plan in enumerate(plans):
-            x, y = inputs(plan), take(self.train.y, plan.rows)
+            x, y = inputs(plan), take(self._train.y, plan.rows)
             g = grads_of(*_first(plan.width, train, frozen), x, y, plan.mask, _first(plan.width, aux)[0])
             self._count_step(plan.samples)
             new, new_state = optim.step(local.optimizer, *_first(plan.width, train, g, opt_state), s)
@@ -252,19 +270,19 @@ class VectorizedTrainer(LocalTrainer):
         return order.restore({**frozen, **train})
 
     def _samples(self, plan: StepPlan) -> torch.Tensor:
-        return take(self.train.x, plan.rows)
+        return take(self._train.x, plan.rows)
 
     def _frozen_features(self, start: int, frozen: Stack, order: BudgetOrder) -> Callable[[StepPlan], torch.Tensor]:
         """The inputs of net[start:] for a step: the frozen modules before it applied once, at
         the start of the fit, to every training row of each client (in budget order), instead
         of once a step to its batch."""
-        offsets, counts = self.offsets[order.host_perm], self.counts[order.host_perm]
+        offsets, counts = self._offsets[order.host_perm], self._counts[order.host_perm]
         width = int(counts.max())
         local = torch.arange(width)[None, :].minimum(counts[:, None] - 1)
         # client k's features stand at rows k * width + j: a split row r of it at r + shift[k]
         up = to_device({"rows": offsets[:, None] + local,
                         "shift": torch.arange(len(offsets))[:, None] * width - offsets[:, None]}, self.device)
-        features = stacked_forward(self.net, frozen, take(self.train.x, up["rows"]), stop=start).flatten(0, 1)
+        features = stacked_forward(self.net, frozen, take(self._train.x, up["rows"]), stop=start).flatten(0, 1)
 
         def inputs(plan: StepPlan) -> torch.Tensor:
             return take(features, plan.rows + up["shift"][: plan.width])
@@ -302,7 +320,7 @@ class VectorizedTrainer(LocalTrainer):
 
         return grads_of
 
-    def scan(self, carry, step, aux=None, stream=0, local=None, per_step=None):
+    def scan(self, carry, step, aux=None, stream=None, local=None, per_step=None):
         sched = self.schedule(stream, local or self.local)
         order, plans = self._plan(sched)
         per_step = order.arrange(to_device(per_step(*sched.index.shape[1:]) if per_step else {}, self.device))
@@ -329,7 +347,7 @@ class VectorizedTrainer(LocalTrainer):
 
         stepped = stack_step if stackable(self.net) and getattr(step, "clientwise", False) else vmap(client_step)
         for s, plan in enumerate(plans):
-            x, y = take(self.train.x, plan.rows), take(self.train.y, plan.rows)
+            x, y = take(self._train.x, plan.rows), take(self._train.y, plan.rows)
             extra = tree_map(lambda t: t[: plan.width, s], per_step)
             new = stepped(*_first(plan.width, carry), x, y, plan.mask, *_first(plan.width, aux), extra)
             self._count_step(plan.samples)
@@ -341,8 +359,8 @@ class VectorizedTrainer(LocalTrainer):
         and sample counts read on the host."""
         order = BudgetOrder(sched.active.sum(1), self.device)
         perm = order.host_perm
-        up = to_device({"rows": (self.offsets[:, None, None] + sched.index)[perm],
-                        "mask": sched.mask[perm].to(self.train.x.dtype)}, self.device)
+        up = to_device({"rows": (self._offsets[:, None, None] + sched.index)[perm],
+                        "mask": sched.mask[perm].to(self._train.x.dtype)}, self.device)
         rows, mask = up["rows"], up["mask"]
         widths = sched.active.sum(0).tolist()
         samples = sched.mask.sum((0, 2)).tolist()
@@ -386,14 +404,14 @@ def _update_first(tree: Tree, new: Tree) -> Tree:
 class SequentialTrainer(LocalTrainer):
     """The reference: one client at a time, autograd and `torch.optim`, unpadded batches."""
 
-    def fit(self, params, objective=data_objective, aux=None, stream=0, trainable=None, local=None):
+    def fit(self, params, objective=data_objective, aux=None, stream=None, trainable=None, local=None):
         local = local or self.local
         sched = self.schedule(stream, local)
         keys = trainable if trainable is not None else set(params)
         aux = aux or {}
         out = {k: torch.empty_like(v) for k, v in params.items()}
         batches = self._batches(sched)
-        for i in range(len(self.client_ids)):
+        for i in range(len(self._client_ids)):
             p = {k: v[i].detach().clone().requires_grad_(k in keys) for k, v in params.items()}
             opt = optim.torch_optimizer(local.optimizer, [p[k] for k in sorted(keys)])
             aux_i = tree_map(lambda t: t[i], aux)
@@ -406,12 +424,12 @@ class SequentialTrainer(LocalTrainer):
                 out[k][i] = p[k].detach()
         return out
 
-    def scan(self, carry, step, aux=None, stream=0, local=None, per_step=None):
+    def scan(self, carry, step, aux=None, stream=None, local=None, per_step=None):
         sched = self.schedule(stream, local or self.local)
         per_step = to_device(per_step(*sched.index.shape[1:]) if per_step else {}, self.device)
         batches = self._batches(sched)
         rows = []
-        for i in range(len(self.client_ids)):
+        for i in range(len(self._client_ids)):
             c = tree_map(lambda t: t[i], carry)
             a = tree_map(lambda t: t[i], aux or {})
             for s, (x, y) in enumerate(batches(i)):
@@ -445,7 +463,7 @@ class SequentialTrainer(LocalTrainer):
         def batches(i: int):
             for s in range(steps[i]):
                 r = rows[i, s, : sizes[i][s]]
-                yield take(self.train.x, r), take(self.train.y, r)
+                yield take(self._train.x, r), take(self._train.y, r)
 
         return batches
 

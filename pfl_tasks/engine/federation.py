@@ -1,7 +1,8 @@
-"""One federated run's round steps: sample clients, local update per chunk, aggregate, evaluate.
+"""The round runtime: one federated run's steps (sample clients, local update per chunk,
+aggregate, evaluate) over an algorithm's surface (`pfl_tasks.algorithms.base.Algorithm`).
 
-Each step is a plain method, so a Prefect flow can wrap each as a task and the inline
-orchestrator (tests, benchmarks) can call them directly. The server state and the samples
+Each step is a plain method, so a Prefect flow can wrap each as a task and the inline steps
+(`pfl_tasks.engine.steps`) call them directly. The server state and the samples
 live on the engine's device; the client stacks on the device too when `engine.client_state`
 says so, otherwise on the host (pinned when the device is a GPU), a chunk's rows moving up
 only while that chunk trains or is evaluated.
@@ -11,21 +12,29 @@ from __future__ import annotations
 
 import copy
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from pfl_tasks.algorithms.base import Algorithm, Facts
-from pfl_tasks.config import ConfigError, ResolvedExperiment
+from pfl_tasks.config import ResolvedExperiment
 from pfl_tasks.data import ClientSplit, FederatedData
-from pfl_tasks.engine.checkpoint import save_checkpoint
 from pfl_tasks.engine.device import configure, platform, resolve_device
 from pfl_tasks.engine.evaluate import evaluate_clients
 from pfl_tasks.engine.executor import make_trainer
 from pfl_tasks.engine.state import Tree, concat, gather, leaves, scatter_, to_device, to_host, tree_bytes, tree_map
+from pfl_tasks.engine.streams import round_generator
+from pfl_tasks.errors import ConfigError
 from pfl_tasks.nets import build_net, init_params
+
+
+@dataclass(frozen=True)
+class Facts:
+    """What the server knows of its federation before the first round."""
+
+    n_clients: int
+    local_steps: int  # per round (epochs when the budget is in epochs): the synchronization gap
+    seed: int = 0  # of the run, for server-side initialization
 
 
 @dataclass
@@ -59,7 +68,8 @@ DEVICE_STATE_SHARE = 0.25  # client_state auto: the stacks on the GPU up to this
 
 
 class Federation:
-    def __init__(self, exp: ResolvedExperiment, algorithm: Algorithm, data: FederatedData):
+    def __init__(self, exp: ResolvedExperiment, algorithm, data: FederatedData):
+        """`algorithm`: a registered `pfl_tasks.algorithms.Algorithm` with its hyper-parameters."""
         self.exp, self.algorithm = exp, algorithm
         fed, where = exp.federation, f"experiments.{exp.name}.federation"
         if fed.clients_per_round is not None and fed.clients_per_round > data.n_clients:
@@ -137,10 +147,10 @@ class Federation:
         (seed, round) alone: who drops does not depend on who else was sampled. A dropped client
         is as if unsampled: its local work is lost and its state stays as it was."""
         fed = self.exp.federation
-        rng = np.random.default_rng([self.exp.seed, round_idx, 0x5A3])
+        rng = round_generator(self.exp.seed, round_idx, "federation/sample")
         ids = np.sort(rng.choice(self.n_clients, self.per_round, replace=False))
         if fed.dropout:
-            drops = np.random.default_rng([self.exp.seed, round_idx, 0xD209]).random(self.n_clients) < fed.dropout
+            drops = round_generator(self.exp.seed, round_idx, "federation/dropout").random(self.n_clients) < fed.dropout
             ids = ids[~drops[ids]]
         return torch.as_tensor(ids)
 
@@ -226,59 +236,6 @@ class Federation:
 class Evaluation:
     metrics: dict[str, dict[str, dict[str, torch.Tensor]]]  # split -> personalized/global -> metric -> [N]
     grad_samples: int  # compute spent personalizing every client (fine-tuning), 0 for most methods
-
-
-# ----------------------------------------------------------------------------- one round
-def run_round(steps, fed: Federation, state: RunState, round_idx: int) -> RunState:
-    """Sample, local updates per chunk, aggregate: each through `steps` (plain calls, or the
-    Prefect tasks of `flows.train`)."""
-    ids = steps.sample(fed, round_idx)
-    if len(ids) == 0:  # every sampled client dropped out: nothing to aggregate
-        return RunState(state.round + 1, state.server, state.clients)
-    payload = fed.algorithm.payload(state.server)
-    results = steps.local_updates(fed, round_idx, payload, fed.chunks(ids), state.clients)
-    return steps.aggregate(fed, round_idx, state, results)
-
-
-def play_rounds(play, first: int, stop: int) -> str | None:
-    """`play(round_idx)` for rounds `first` to `stop - 1`, stopping at the first that reports
-    a problem (a diverged run), which it returns."""
-    for round_idx in range(first, stop):
-        problem = play(round_idx)
-        if problem is not None:
-            return problem
-    return None
-
-
-class InlineSteps:
-    """The same steps as plain calls (chunks on a thread pool): no orchestration cost."""
-
-    def __init__(self, max_workers: int):
-        self.max_workers = max_workers
-
-    round = run_round
-    span, spans_rounds = staticmethod(play_rounds), False
-
-    def sample(self, fed, round_idx):
-        return fed.sample_clients(round_idx)
-
-    def local_updates(self, fed, round_idx, payload, chunks, clients):
-        def one(ids):
-            return fed.local_update(round_idx, payload, ids, gather(clients, ids))
-
-        if len(chunks) == 1:
-            return [one(chunks[0])]
-        with ThreadPoolExecutor(self.max_workers) as pool:
-            return list(pool.map(one, chunks))
-
-    def aggregate(self, fed, round_idx, state, results):
-        return fed.aggregate(state, results)
-
-    def evaluate(self, fed, round_idx, state):
-        return fed.evaluate(state)
-
-    def checkpoint(self, path, round_idx, payload):
-        save_checkpoint(path, payload)
 
 
 _UPLOADED: dict[tuple[str, str], tuple] = {}  # (federation token, device) -> its samples there, per process
