@@ -6,10 +6,11 @@ on a fresh clone of this commit, then the edit-reruns-only-dependents check on t
   - a stage process's fixed start: `import flows.train` in a fresh interpreter;
   - a run's fixed cost: a 1-round poly1 FedAvg run through Prefect in a warm process (flow run,
     MLflow, checkpoint, PNG, evaluation), against its 120-round run;
-  - edits: after appending a comment to pfl_tasks/reports.py or pfl_tasks/tracking.py, which
-    stages `dvc status` calls changed (expected: tables, compare: no training); after one to
-    pfl_tasks/algorithms/ditto.py (expected: the train stages of the experiments running Ditto,
-    whose flows then retrain only its runs).
+  - edits: after appending a comment to pfl_tasks/reports.py, the MLflow store
+    (pfl_tasks/tracking.py) or the run outputs (pfl_tasks/outputs.py), which stages `dvc status`
+    calls changed (expected: tables, compare: no training); to the train CLI (flows/train.py):
+    none; to pfl_tasks/algorithms/ditto.py: the train stages of the experiments running Ditto,
+    whose flows then retrain only its runs.
 
     python -m bench.repro             # make run's time, plus about 2 minutes
     python -m bench.repro --params params-quick.yaml   # the quickstart's matrix: a smoke run
@@ -173,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         experiments = yaml.safe_load((root / "params.yaml").read_text())["experiments"]
         with_ditto = {f"train-{name}" for name, exp in experiments.items() if "ditto" in exp["algorithms"]}
         for rel, expected in (("pfl_tasks/reports.py", reports), ("pfl_tasks/tracking.py", reports),
+                              ("pfl_tasks/outputs.py", reports), ("flows/train.py", set()),
                               ("pfl_tasks/algorithms/ditto.py", with_ditto)):
             edit(root / rel)
             result["edits"][rel] = {"changed": changed_stages(root, env), "expected": expected}
