@@ -283,9 +283,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--algorithms", nargs="+", metavar="RUN", help="default: the experiment's")
     parser.add_argument("--seeds", nargs="+", type=int, metavar="SEED", help="default: the experiment's")
+    for sweep_option in ("--set", "--name"):  # a sweep's: named in the error
+        parser.add_argument(sweep_option, action="append", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    return stage_main("train", lambda: train_experiment(args.experiment, args.params, args.root,
-                                                        args.on_config_change, args.algorithms, args.seeds))
+
+    def train() -> dict:
+        if args.set or args.name:
+            raise ConfigError(f"--{'set' if args.set else 'name'} makes a sweep: python -m flows.sweep "
+                              f"{args.experiment} ... (the same options)")
+        return train_experiment(args.experiment, args.params, args.root, args.on_config_change, args.algorithms,
+                                args.seeds)
+
+    return stage_main("train", train)
 
 
 if __name__ == "__main__":

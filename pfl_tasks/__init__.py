@@ -1,5 +1,5 @@
 """pfl_tasks: the personalized-federated-learning library behind the pipeline.
 
-Layers, each importing only from those before it:
-data -> nets -> engine -> algorithms -> tracking. `config` holds the typed params for all.
+Its layers, each importing only from its own and those below it, are drawn in the README's
+"Layout" section and held by tests/test_layers.py.
 """

@@ -13,7 +13,7 @@ from typing import Any
 
 import yaml
 
-from pfl_tasks.config import SweepConfig, ParamsLoader, parse_params, read_params
+from pfl_tasks.config import ParamsLoader, SweepConfig, parse_params, read_params
 from pfl_tasks.errors import ConfigError
 
 
@@ -64,6 +64,7 @@ def sweep_params(sweep: SweepConfig) -> dict:
         raw["tracking"] = tracking
     parse_params(raw)
     return raw
+
 
 def split_grid(grid: dict[str, list], run_names: list[str]) -> tuple[dict[str, dict[str, list]], dict[str, list]]:
     """The grid's keys over algorithms' hyper-parameters, by run name (a name may hold dots:

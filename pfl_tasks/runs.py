@@ -246,7 +246,8 @@ class Run:
         for first, stop in self.spans(start, every):
             with self.mutating():
                 problem = advance(first, stop)
-            if problem is not None:
+            if problem is not None:  # the state is not finite: no failure checkpoint over the last good one
+                self._consistent = False
                 return problem
             if stop % checkpoint_every == 0 or stop == self.total:
                 save(self.paths.checkpoint, stop, self.snapshot())

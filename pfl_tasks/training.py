@@ -101,8 +101,8 @@ def check_inputs(exp: ResolvedExperiment, runs: list[tuple[str, int]], root: Pat
         paths = RunPaths.of(root, exp.name, run_name, seed)
         paths.check_writable()
         if on_config_change == "refuse":  # then every problem of a checkpoint is an error
-            identity = run_identity(exp.model_copy(update={"seed": seed}), run_name,
-                                              exp.hyper[run_name], data.manifest_hash)
+            identity = run_identity(exp.model_copy(update={"seed": seed}), run_name, exp.hyper[run_name],
+                                    data.manifest_hash)
             resume_point(paths.checkpoint, identity, exp.federation.rounds, on_config_change)
         elif paths.checkpoint.exists():
             load_checkpoint(paths.checkpoint, {"experiment": exp.name, "algorithm": run_name})

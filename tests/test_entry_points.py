@@ -36,6 +36,8 @@ CASES = {
     "sweep, algorithm typo": (
         bad_params(), ["flows.sweep", json.dumps({"name": "lr", "experiment": "tiny", "algorithms": ["dito"]})],
         "sweep", "unknown algorithm 'dito'"),
+    "sweep command line, algorithm typo": (
+        bad_params(), ["flows.sweep", "tiny", "--algorithms", "dito"], "sweep", "unknown algorithm 'dito'"),
     "compare, before any run": (bad_params(), ["flows.compare"], "compare", NO_RUNS),
     "tables, before any run": (bad_params(), ["flows.tables"], "tables", NO_RUNS),
     "learn2pfed, no partition": (

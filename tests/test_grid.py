@@ -105,7 +105,8 @@ def test_train_refuses_runs_it_does_not_configure_and_names_the_sweep(tmp_path, 
 
     path = write_params(tmp_path)
     for args, message in ((["--seeds", "7"], "does not run seeds [7]"),
-                          (["--algorithms", "dito"], "does not run algorithms ['dito']")):
+                          (["--algorithms", "dito"], "does not run algorithms ['dito']"),
+                          (["--set", "algorithms.fedprox.mu=1,2"], "--set makes a sweep")):
         assert flows.train.main(["tiny", "--params", path, *args]) == 2
         err = capsys.readouterr().err
         assert message in err and "python -m flows.sweep" in err

@@ -42,7 +42,8 @@ class LpProjHyper(HyperParams):
 
 @lru_cache(maxsize=4)
 def projection(key: int, dim: int, size: int, device: torch.device = torch.device("cpu")) -> torch.Tensor:
-    """P [dim, size] with unit-norm Gaussian rows, the same for every party sharing `seed`:
+    """P [dim, size] with unit-norm Gaussian rows, the same for every party sharing `key` (the
+    run's `lp_proj/projection` stream):
     drawn on the host, uploaded once per device."""
     if device.type != "cpu":
         return projection(key, dim, size).to(device)
