@@ -176,7 +176,8 @@ def learn2pfed_flow(experiment: str, supervision: str, seed: int, params_path: s
                 "config": json.dumps(config, sort_keys=True)}
 
     task_kind = "classification" if problems.test.n_classes else "regression"
-    cells = Cells(problems.train, cfg.cells, cfg.tied, cfg.init.model_dump(), torch.Generator().manual_seed(seed))
+    cells = Cells(problems.train, cfg.cells, cfg.tied, cfg.init.model_dump(), torch.Generator().manual_seed(seed),
+                  cfg.lambda_)
     opt = make_optimizer(cells, cfg.meta)
     with Run(paths, identity, params.tracking, seed, total=cfg.meta.epochs, unit="epoch",
              on_config_change=on_config_change) as run:

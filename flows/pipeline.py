@@ -8,6 +8,7 @@
   experiment:
 
     python -m flows.pipeline --params params-fmnist.yaml
+    python -m flows.pipeline --params params-fmnist.yaml fmnist-dir0.1 --estimate   # its time here, first
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from flows.train import train_experiment
 from pfl_tasks.algorithms import validate_params
 from pfl_tasks.config import Params, load_params
 from pfl_tasks.errors import ConfigError
+from pfl_tasks.estimate import estimate, report
 from pfl_tasks.tracking import tracking_uri
 
 STEP_OPTIONS = dict(cache_policy=NO_CACHE, persist_result=False)
@@ -102,10 +104,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--params", default="params.yaml")
     parser.add_argument("--root", default=".", help="where its data, models, metrics, plots and reports go")
     parser.add_argument("experiments", nargs="*", help="default: every experiment of the params file")
+    parser.add_argument("--estimate", action="store_true",
+                        help="run nothing: time a round and an evaluation of each algorithm on this machine "
+                             "and print the experiments' estimated training time")
     args = parser.parse_args(argv)
 
     def work():
-        checked_params(args.params, args.experiments or None)  # before the Prefect server starts
+        params, chosen = checked_params(args.params, args.experiments or None)  # before the Prefect server starts
+        if args.estimate:
+            for experiment in chosen:
+                print(report(experiment, *estimate(params, experiment)), flush=True)
+            return
         with prefect_api():
             pipeline_flow(args.params, args.root, args.experiments or None)
         print("\nWhere the results are (one run shown per kind):\n" +

@@ -64,11 +64,10 @@ class Strict(BaseModel):
     @classmethod
     def _name_allowed_keys(cls, data: Any) -> Any:
         if isinstance(data, dict):
-            unknown = sorted(set(data) - set(cls.model_fields), key=str)  # YAML keys may be numbers
+            allowed = {field.alias or name for name, field in cls.model_fields.items()}
+            unknown = sorted(set(data) - allowed, key=str)  # YAML keys may be numbers
             if unknown:
-                raise ValueError(
-                    f"unknown key(s) {unknown}; allowed: {sorted(cls.model_fields)}"
-                )
+                raise ValueError(f"unknown key(s) {unknown}; allowed: {sorted(allowed)}")
         return data
 
 
@@ -347,7 +346,14 @@ class Learn2pFedConfig(Strict):
     """The downstream `learn2pfed-<experiment>` stage: Learn2pFed on that experiment's data,
     one run per supervision signal and seed of the experiment."""
 
+    model_config = ConfigDict(**Strict.model_config, serialize_by_alias=True)
+
     cells: PositiveInt = 10
+    # Lambda_i: diagonal (the paper's text) or a full d x d matrix (the authors' code)
+    lambda_: Literal["diagonal", "full"] = Field("diagonal", alias="lambda")
+    # the meta loss: the sum of the clients' mean losses (the paper's text), or `pooled`: every
+    # row counts once (the authors' code), scaled to the same size (learn2pfed_meta.meta_loss)
+    meta_loss: Literal["clients", "pooled"] = "clients"
     tied: Bool = True  # one Theta for every cell; False: one per cell
     bias: Bool = False  # regression: append a constant feature
     v_steps: PositiveInt = 5  # classification: gradient steps per v-step

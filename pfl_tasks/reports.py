@@ -1,4 +1,4 @@
-"""Comparison reports (tracking layer): which runs count, and what every report says of them.
+"""Comparison reports: which runs count, and what every report says of them.
 
 The per-experiment comparison (`flows.compare`) and the paper tables (`flows.tables`) both read
 MLflow through `collect` and `summarize`, so they count the same runs: for each configured
@@ -40,6 +40,9 @@ ALPHA = 0.05
 # verdict does not count
 MIN_AGGREGATED = 0.5
 CLIENTS_TABLE = "clients_selected.csv"  # each client's metrics at the round selected on validation
+# PFLlib's published statistic (Zhang et al., JMLR 2025): the test metric weighted by the clients'
+# test samples (its sum of correct over sum of samples), at the best round *on test*
+TEST_SELECTED = "test/personalized/{metric}_weighted"
 
 
 def configured_runs(params, experiment: str, root: Path | None = None) -> dict[tuple[str, int], str | None]:
@@ -167,6 +170,7 @@ class MethodResult:
     p_vs_best: float | None = None  # Holm-adjusted; None for the best and for the unranked
     # seed -> (rounds aggregated, rounds run) of its finished runs that count their skipped rounds
     aggregated: dict[int, tuple[int, int]] = field(default_factory=dict)
+    test_selected: float | None = None  # `test_selected`: for published numbers only, ranks nothing
 
     @property
     def too_few_rounds(self) -> list[tuple[int, int, int]]:
@@ -191,6 +195,18 @@ def clients_table(client, run_id: str) -> pd.DataFrame | None:
         return None
     with tempfile.TemporaryDirectory() as tmp:
         return pd.read_csv(client.download_artifacts(run_id, CLIENTS_TABLE, tmp)).set_index("client_id")
+
+
+def test_selected(client, run_ids: list[str], metric: str) -> float | None:
+    """PFLlib's statistic, for comparison with published numbers only: each run's best
+    evaluation on the test split (sample-weighted over clients), mean over seeds. It is chosen
+    on test, so it is biased upward (downward for MSE) and ranks nothing."""
+    best = []
+    for run_id in run_ids:
+        values = [m.value for m in client.get_metric_history(run_id, TEST_SELECTED.format(metric=metric))]
+        if values:
+            best.append(max(values) if HIGHER_IS_BETTER[metric] else min(values))
+    return statistics.fmean(best) if best else None
 
 
 def _mean(runs: list, key: str) -> float | None:
@@ -225,6 +241,7 @@ def method_result(client, method: str, by_seed: dict[int, object], metric: str) 
         aggregated={s: (int(r.data.metrics["final/round"] - r.data.metrics["final/rounds/skipped"]),
                         int(r.data.metrics["final/round"]))
                     for s, r in finished.items() if "final/rounds/skipped" in r.data.metrics},
+        test_selected=test_selected(client, [r.info.run_id for r in runs], metric),
     )
 
 
@@ -363,9 +380,24 @@ def markdown(experiment: str, metric: str, results: list[MethodResult], figures:
     if unranked:
         lines += ["", "Not ranked:", ""]
         lines += [f"- {r.method}: {unranked_note(r)}" for r in unranked]
+    lines += test_selected_lines(results)
     lines.append("")
     lines += [f"![{caption}]({path})\n" for caption, path in figures.items()]
     return "\n".join(lines)
+
+
+def test_selected_lines(results: list[MethodResult]) -> list[str]:
+    """The test-selected statistic of published tables (PFLlib's), in a section of its own."""
+    shown = [r for r in results if r.test_selected is not None]
+    if not shown:
+        return []
+    return ["", "## Test-selected, for comparison with published numbers only", "",
+            "PFLlib's leaderboard (and many papers) report each method's best round chosen on the test split. "
+            "That number is below, for comparing with them: the personalized test metric weighted by the "
+            "clients' test samples, at each run's best evaluation on test, mean over seeds. It is selected on "
+            "test, so it is optimistic, and it ranks nothing: the table above does.", "",
+            "| method | test-selected (best evaluation on test, sample-weighted) |", "|---|---|",
+            *(f"| {r.method} | {r.test_selected:.4f} |" for r in shown)]
 
 
 # ----------------------------------------------------------------------------- figures

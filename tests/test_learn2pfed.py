@@ -1,12 +1,13 @@
 """Learn2pFed's unrolled ADMM: one cell is the hand-written iteration, many cells reach the
-objective's closed-form minimizer, and meta-gradients reach every parameter of Theta."""
+objective's closed-form minimizer (with a diagonal or a full Lambda), the meta loss weighs
+clients or rows as configured, and meta-gradients reach every parameter of Theta."""
 
 import numpy as np
 import pytest
 import torch
 
-from pfl_tasks.algorithms.learn2pfed import Cells, Problem, inverse_positive, unroll
-from pfl_tasks.algorithms.learn2pfed_meta import costs, evaluate, meta_epoch
+from pfl_tasks.algorithms.learn2pfed import FLOOR, Cells, Problem, inverse_positive, unroll
+from pfl_tasks.algorithms.learn2pfed_meta import costs, evaluate, meta_epoch, meta_loss
 from pfl_tasks.config import Learn2pFedConfig
 
 INIT = {"rho": 0.01, "eta": 0.01, "gamma": 0.01, "theta": 0.01, "lam": 0.001}
@@ -22,10 +23,22 @@ def regression_problem(m=3, d=4, n=(5, 9, 7), seed=0) -> Problem:
 
 
 def set_theta(cells: Cells, **values):
-    """Overwrite Theta with given values (each [layers, M] or [layers, M, d])."""
+    """Overwrite Theta with given values (each [layers, M], Lambda [layers, M, d] or, full,
+    [layers, M, d, d])."""
     with torch.no_grad():
         for key, value in values.items():
-            cells.raw[key].copy_(inverse_positive(torch.as_tensor(value, dtype=torch.float64)))
+            value = torch.as_tensor(value, dtype=torch.float64)
+            if key == "lam" and cells.form == "full":
+                eye = torch.eye(value.shape[-1], dtype=torch.float64)
+                cells.raw[key].copy_(torch.linalg.cholesky(value - FLOOR * eye))
+            else:
+                cells.raw[key].copy_(inverse_positive(value))
+
+
+def random_spd(m, d, layers=1, seed=4) -> np.ndarray:
+    """[layers, M, d, d] symmetric positive definite, with off-diagonals as large as the diagonal's spread."""
+    a = np.random.default_rng(seed).normal(size=(layers, m, d, d))
+    return a @ a.swapaxes(-1, -2) / d + 0.05 * np.eye(d)
 
 
 def random_theta(m, d, layers=1, seed=1):
@@ -46,7 +59,8 @@ def hand_admm(problem: Problem, theta: dict, cells: int, w0: np.ndarray):
             rows = problem.mask[i].numpy() > 0
             x, y = problem.x[i].numpy()[rows], problem.y[i].numpy()[rows]
             v[i] = np.linalg.inv(x.T @ x + t["rho"][i] * np.eye(d)) @ (x.T @ y + t["rho"][i] * (w + z[i] + alpha[i]))
-            z[i] = t["eta"][i] * np.linalg.inv(np.diag(t["lam"][i]) + t["eta"][i] * np.eye(d)) @ (v[i] - w - alpha[i])
+            lam = t["lam"][i] if t["lam"][i].ndim == 2 else np.diag(t["lam"][i])
+            z[i] = t["eta"][i] * np.linalg.inv(lam + t["eta"][i] * np.eye(d)) @ (v[i] - w - alpha[i])
         weight = t["p"] * t["gamma"]
         w = (weight[:, None] * (v - z - alpha)).sum(0) / weight.sum()
         for i in range(m):
@@ -54,12 +68,15 @@ def hand_admm(problem: Problem, theta: dict, cells: int, w0: np.ndarray):
     return v, w
 
 
+@pytest.mark.parametrize("form", ["diagonal", "full"])
 @pytest.mark.parametrize("tied", [True, False])
-def test_cells_equal_the_hand_written_admm_iterations(tied):
+def test_cells_equal_the_hand_written_admm_iterations(tied, form):
     problem = regression_problem()
     layers = 1 if tied else 3
-    cells = Cells(problem, 3, tied, INIT, torch.Generator().manual_seed(0))
+    cells = Cells(problem, 3, tied, INIT, torch.Generator().manual_seed(0), form)
     theta = random_theta(problem.n_clients, problem.dim, layers)
+    if form == "full":
+        theta["lam"] = random_spd(problem.n_clients, problem.dim, layers)
     set_theta(cells, **theta)
     w0 = np.random.default_rng(2).normal(size=problem.dim)
     for n_cells in (1, 3):
@@ -72,14 +89,15 @@ def test_cells_equal_the_hand_written_admm_iterations(tied):
 
 def objective_minimizer(problem: Problem, p, lam, weight):
     """argmin over (v_1..v_M, w) of sum_i p_i [1/2 ||X_i v_i - Y_i||^2 + weight_i/2 (v_i-w)^T
-    diag(lam_i) (v_i-w)]: the stationarity conditions as one linear system."""
+    Lambda_i (v_i-w)], Lambda_i = diag(lam_i) or the matrix lam_i: the stationarity conditions
+    as one linear system."""
     m, d = problem.n_clients, problem.dim
     size = (m + 1) * d
     a, b = np.zeros((size, size)), np.zeros(size)
     for i in range(m):
         rows = problem.mask[i].numpy() > 0
         x, y = problem.x[i].numpy()[rows], problem.y[i].numpy()[rows]
-        tie = weight[i] * np.diag(lam[i])
+        tie = weight[i] * (lam[i] if lam[i].ndim == 2 else np.diag(lam[i]))
         vi, wi = slice(i * d, (i + 1) * d), slice(m * d, size)
         a[vi, vi] += p[i] * (x.T @ x + tie)
         a[vi, wi] -= p[i] * tie
@@ -90,19 +108,21 @@ def objective_minimizer(problem: Problem, p, lam, weight):
     return sol[: m * d].reshape(m, d), sol[m * d:]
 
 
+@pytest.mark.parametrize("form", ["diagonal", "full"])
 @pytest.mark.parametrize("rho_equals_eta", [True, False])
-def test_many_cells_converge_to_the_objectives_minimizer(rho_equals_eta):
+def test_many_cells_converge_to_the_objectives_minimizer(rho_equals_eta, form):
     """With gamma_i proportional to rho_i the fixed point minimizes
     sum_i p_i [F_i(v_i) + rho_i/(2 eta_i) (v_i-w)^T Lambda_i (v_i-w)] (the paper's objective,
-    with F_i = 1/2 ||X_i v - Y_i||^2, when eta_i = rho_i / 2)."""
+    with F_i = 1/2 ||X_i v - Y_i||^2, when eta_i = rho_i / 2), for a full symmetric Lambda_i
+    as for a diagonal one."""
     problem = regression_problem()
     m, d = problem.n_clients, problem.dim
     rng = np.random.default_rng(3)
     rho = rng.uniform(0.5, 2.0, m)
     eta = rho.copy() if rho_equals_eta else rng.uniform(0.5, 2.0, m)
-    lam = rng.uniform(0.05, 4.0, (m, d))
+    lam = rng.uniform(0.05, 4.0, (m, d)) if form == "diagonal" else random_spd(m, d)[0]
     p = rng.uniform(0.2, 1.0, m)
-    cells = Cells(problem, 600, True, INIT, torch.Generator().manual_seed(0))
+    cells = Cells(problem, 600, True, INIT, torch.Generator().manual_seed(0), form)
     set_theta(cells, rho=rho[None], eta=eta[None], gamma=3 * rho[None], theta=np.ones((1, m)),
               p=p[None], lam=lam[None])
     trace = unroll(cells, problem, torch.zeros(d, dtype=torch.float64), create_graph=False)
@@ -111,6 +131,60 @@ def test_many_cells_converge_to_the_objectives_minimizer(rho_equals_eta):
     np.testing.assert_allclose(trace.v.detach().numpy(), v, rtol=1e-6, atol=1e-8)
     local = [np.linalg.lstsq(problem.x[i].numpy(), problem.y[i].numpy(), rcond=None)[0] for i in range(m)]
     assert np.abs(v - np.stack(local)).max() > 1e-2  # the coupling is not a no-op
+    if form == "full":  # the off-diagonals count: the diagonal alone gives another minimizer
+        v_diag, _ = objective_minimizer(problem, p, np.diagonal(lam, axis1=-2, axis2=-1), rho / eta)
+        assert np.abs(v - v_diag).max() > 1e-2
+
+
+def test_a_full_lambda_starts_at_the_diagonal_one():
+    """Both forms start at the demo's Lambda = lam U(0,1) per entry (the same draw): their first
+    unroll is the same, and the full one's off-diagonals then get gradients of their own."""
+    problem = regression_problem()
+    diagonal, full = (Cells(problem, 4, True, INIT, torch.Generator().manual_seed(0), form)
+                      for form in ("diagonal", "full"))
+    torch.testing.assert_close(full.values(0)["lam"], torch.diag_embed(diagonal.values(0)["lam"]), rtol=1e-12, atol=0)
+    w0 = torch.zeros(problem.dim, dtype=torch.float64)
+    traces = [unroll(cells, problem, w0) for cells in (diagonal, full)]
+    torch.testing.assert_close(traces[0].v, traces[1].v, rtol=1e-10, atol=1e-12)
+    meta_loss(problem, traces[1].v, "clients").backward()
+    grad = full.raw["lam"].grad[0]
+    assert (grad.tril(-1).abs() > 0).any() and (grad.triu(1) == 0).all()  # L is lower triangular
+
+
+def test_the_pooled_meta_loss_weighs_every_row_once():
+    """`clients`: sum_i mean_i; `pooled`: M x the mean over every real row of every client (the
+    authors' code, scaled): its gradient is sum_i (M n_i / N) grad mean_i, and with clients of
+    equal size the two are the same loss."""
+    problem = regression_problem(n=(2, 9, 5))
+    m = problem.n_clients
+    v = torch.randn(m, problem.dim, dtype=torch.float64, generator=torch.Generator().manual_seed(5), requires_grad=True)
+    rows = problem.mask > 0
+    errors = (torch.einsum("mnd,md->mn", problem.x, v) - problem.y)[rows] ** 2  # the pooled rows
+    torch.testing.assert_close(meta_loss(problem, v, "pooled"), m * errors.mean())
+    counts = problem.mask.sum(1)
+    per_client = problem.per_client_loss(v)
+    expected = sum(m * counts[i] / counts.sum() * torch.autograd.grad(per_client[i], v, retain_graph=True)[0]
+                   for i in range(m))
+    torch.testing.assert_close(torch.autograd.grad(meta_loss(problem, v, "pooled"), v)[0], expected)
+    assert not torch.allclose(meta_loss(problem, v, "pooled"), meta_loss(problem, v, "clients"))
+    equal = regression_problem(n=(6, 6, 6))
+    torch.testing.assert_close(meta_loss(equal, v, "pooled"), meta_loss(equal, v, "clients"))
+
+
+def test_a_meta_step_takes_the_configured_lambda_and_meta_loss():
+    """`lambda: full` and `meta_loss: pooled` from the params reach the meta step: its loss is
+    the pooled loss of the full cells' v(L), and its update moves the off-diagonals."""
+    import copy
+
+    problem = regression_problem(n=(2, 9, 5))
+    cfg = Learn2pFedConfig.model_validate({"lambda": "full", "meta_loss": "pooled", "cells": 3})
+    cells = Cells(problem, cfg.cells, cfg.tied, cfg.init.model_dump(), torch.Generator().manual_seed(0), cfg.lambda_)
+    before = copy.deepcopy(cells)
+    w0 = torch.zeros(problem.dim, dtype=torch.float64)
+    opt = torch.optim.Adam(cells.parameters(), lr=cfg.meta.lr)
+    loss, _ = meta_epoch(cells, opt, cfg, 0, problem, problem, w0)
+    assert loss == pytest.approx(meta_loss(problem, unroll(before, problem, w0).v, "pooled").item(), rel=1e-12)
+    assert (cells.raw["lam"].detach().tril(-1) != 0).any()
 
 
 def classification_problem(m=3, n=12, d=5, classes=3, seed=0) -> Problem:

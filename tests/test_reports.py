@@ -230,6 +230,31 @@ def test_reports_read_per_client_tables_after_the_checkout_moved(tmp_path):
     assert table is not None and table.loc[0, "test_personalized_acc"] == 0.5
 
 
+def test_the_test_selected_statistic_is_printed_apart_and_ranks_nothing(tmp_path):
+    """PFLlib's number: each run's best evaluation on test (sample-weighted), mean over seeds, in
+    its own labelled section. Method b peaks on test at an unselected round, above a's; a still
+    ranks first, on its selected round."""
+    from mlflow.tracking import MlflowClient
+
+    from pfl_tasks.reports import markdown as report_markdown
+
+    experiment = f"peak-{uuid.uuid4().hex[:8]}"
+    peaks = {("a", 0): [0.80, 0.82], ("a", 1): [0.84, 0.86], ("b", 0): [0.95, 0.70], ("b", 1): [0.93, 0.72]}
+    for (method, seed), history in peaks.items():
+        run_id = log_run(tmp_path, experiment, method, seed, [0.9, 0.8] if method == "a" else [0.7, 0.7])
+        run = MlflowRun(mlflow_uri(), experiment, "", run_id)
+        for step, value in enumerate(history, 1):
+            run.log_metrics({"test/personalized/acc_weighted": value}, step=step)
+        run.finish()
+    client = MlflowClient(mlflow_uri())
+    results = summarize(client, collect(client, experiment), "acc")
+    assert [r.method for r in results] == ["a", "b"]
+    assert [r.test_selected for r in results] == pytest.approx([0.84, 0.94])
+    text = report_markdown(experiment, "acc", results, {})
+    section = text.split("## Test-selected, for comparison with published numbers only")[1]
+    assert "| a | 0.8400 |" in section and "| b | 0.9400 |" in section and "ranks nothing" in section
+
+
 def test_regression_ranks_lowest_mse_first_and_missing_experiment_is_named(tmp_path):
     from mlflow.tracking import MlflowClient
 

@@ -3,8 +3,9 @@
 Lv, Ye, Huang, Yang, Chen, "Learn What You Need in Personalized Federated Learning",
 arXiv:2401.08327 (equations: shared/reference/learn2pfed.md). The problem
     min sum_i p_i [F_i(v_i) + z_i^T Lambda_i z_i]   s.t.  v_i - w - z_i = 0
-is solved by L cells of ADMM whose parameters Theta = {Lambda_i (diagonal), p_i, rho_i, eta_i,
-gamma_i, theta_i} are meta-trained by gradient descent through all cells. One cell l:
+is solved by L cells of ADMM whose parameters Theta = {Lambda_i (diagonal, or a full matrix:
+`lambda: full`), p_i, rho_i, eta_i, gamma_i, theta_i} are meta-trained by gradient descent
+through all cells. One cell l:
     v_i = argmin_v F_i(v) + rho_i/2 ||v - (w + z_i + alpha_i)||^2               (client)
     z_i = eta_i (Lambda_i + eta_i I)^-1 (v_i - w - alpha_i)                      (client)
     w   = sum_i p_i gamma_i (v_i - z_i - alpha_i) / sum_i p_i gamma_i            (server)
@@ -90,23 +91,37 @@ class Problem:
 
 
 class Cells(torch.nn.Module):
-    """Theta of L unrolled cells, tied (one set for all cells) or one set per cell."""
+    """Theta of L unrolled cells, tied (one set for all cells) or one set per cell. Lambda_i is
+    diagonal (the paper's text: one lambda_ij per parameter) or, with `form="full"`, a d x d
+    matrix (the authors' code) kept positive definite as L_i L_i^T + FLOOR I, L_i lower
+    triangular; both start at the same diagonal (the demo's lam U(0,1) per entry)."""
 
     def __init__(self, problem: Problem, cells: int, tied: bool, init: dict[str, float],
-                 generator: torch.Generator):
+                 generator: torch.Generator, form: str = "diagonal"):
         super().__init__()
         m, d, layers = problem.n_clients, problem.dim, 1 if tied else cells
-        self.cells = cells
+        self.cells, self.form = cells, form
         counts = problem.mask.sum(1)
         start = {key: torch.full((layers, m), init[key]) for key in ("rho", "eta", "gamma", "theta")}
         start["p"] = (counts / counts.sum()).expand(layers, m)
         raw = {key: inverse_positive(value.double()) for key, value in start.items()}
         uniform = torch.rand(layers, m, d, generator=generator, dtype=torch.float64).clamp_min(1e-6)
-        raw["lam"] = torch.log(init["lam"] * uniform)  # Lambda = lam U + FLOOR
+        if form == "diagonal":
+            raw["lam"] = torch.log(init["lam"] * uniform)  # Lambda = lam U + FLOOR
+        else:  # the factor L: L L^T + FLOOR I = the same diagonal
+            raw["lam"] = torch.diag_embed((init["lam"] * uniform).sqrt())
         self.raw = torch.nn.ParameterDict({key: torch.nn.Parameter(value) for key, value in raw.items()})
 
     def values(self, cell: int) -> dict[str, torch.Tensor]:
-        return {key: positive(raw[min(cell, len(raw) - 1)]) for key, raw in self.raw.items()}
+        """Theta of cell `cell`: each [M], Lambda [M, d] (its diagonal) or [M, d, d] (full)."""
+        out = {key: positive(raw[min(cell, len(raw) - 1)]) for key, raw in self.raw.items() if key != "lam"}
+        lam = self.raw["lam"][min(cell, len(self.raw["lam"]) - 1)]
+        if self.form == "diagonal":
+            out["lam"] = positive(lam)
+        else:
+            factor = lam.tril()
+            out["lam"] = factor @ factor.transpose(-1, -2) + FLOOR * torch.eye(lam.shape[-1], dtype=lam.dtype)
+        return out
 
 
 @dataclass
@@ -133,7 +148,12 @@ def v_step_gradient(problem, v, rho, center, steps: int, lr: float, create_graph
 
 
 def z_step(v, w, alpha, lam, eta):
-    return eta[:, None] / (lam + eta[:, None]) * (v - w - alpha)
+    """eta_i (Lambda_i + eta_i I)^-1 (v_i - w - alpha_i): elementwise for a diagonal Lambda
+    [M, d], a batched solve for a full one [M, d, d]."""
+    if lam.dim() == 2:
+        return eta[:, None] / (lam + eta[:, None]) * (v - w - alpha)
+    eye = torch.eye(lam.shape[-1], dtype=lam.dtype, device=lam.device)
+    return eta[:, None] * torch.linalg.solve(lam + eta[:, None, None] * eye, v - w - alpha)
 
 
 def w_step(mixed, p, gamma):

@@ -34,6 +34,18 @@ def padded_problem(split: ClientSplit, features: torch.Tensor, n_classes: int, n
     return Problem(feats[rows], y, valid.double(), n_classes)
 
 
+def meta_loss(problem: Problem, v: torch.Tensor, kind: str) -> torch.Tensor:
+    """`clients`: the sum of the clients' mean losses (each client counts once; the paper's
+    text). `pooled`: every row counts once (the authors' code, a mean over the pooled rows),
+    times M, so that both are equal when clients are of equal size: the options differ by the
+    weighting alone, not by the scale that Adam and the gradient clip see."""
+    per_client = problem.per_client_loss(v)
+    if kind == "clients":
+        return per_client.sum()
+    counts = problem.mask.sum(1)
+    return problem.n_clients * (counts * per_client).sum() / counts.sum()
+
+
 def make_optimizer(cells: Cells, cfg: MetaOptimizer) -> torch.optim.Optimizer:
     cls = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam}[cfg.name]
     return cls(cells.parameters(), lr=cfg.lr)
@@ -41,14 +53,14 @@ def make_optimizer(cells: Cells, cfg: MetaOptimizer) -> torch.optim.Optimizer:
 
 def meta_epoch(cells: Cells, opt: torch.optim.Optimizer, cfg: Learn2pFedConfig, epoch: int,
                fit: Problem, supervise: Problem, w0: torch.Tensor) -> tuple[float, float]:
-    """One full-batch outer step on sum_i loss_i(v_i(L)) over the `supervise` rows; returns that
-    loss and the same sum over the `fit` rows (equal under `train` supervision)."""
+    """One full-batch outer step on the `meta_loss` of v_i(L) over the `supervise` rows; returns
+    that loss and the clients' summed mean loss over the `fit` rows."""
     meta = cfg.meta
     lr = meta.decay_lr if meta.decay_epoch is not None and epoch >= meta.decay_epoch else meta.lr
     for group in opt.param_groups:
         group["lr"] = lr
     trace = unroll(cells, fit, w0, cfg.v_steps, cfg.v_lr)
-    loss = supervise.per_client_loss(trace.v).sum()
+    loss = meta_loss(supervise, trace.v, cfg.meta_loss)
     opt.zero_grad()
     loss.backward()
     if meta.clip is not None:
@@ -97,5 +109,7 @@ def costs(fit: Problem, supervise: Problem, cfg: Learn2pFedConfig) -> dict[str, 
 
 
 def participation(cells: Cells) -> torch.Tensor:
-    """Learned Lambda [layers, M, d]: large lambda_ij ties parameter j of client i to w."""
-    return torch.stack([cells.values(c)["lam"] for c in range(len(cells.raw["lam"]))]).detach()
+    """Learned lambda_ij [layers, M, d] (a full Lambda_i's diagonal): large lambda_ij ties
+    parameter j of client i to w."""
+    lam = torch.stack([cells.values(c)["lam"] for c in range(len(cells.raw["lam"]))]).detach()
+    return lam if cells.form == "diagonal" else lam.diagonal(dim1=-2, dim2=-1)

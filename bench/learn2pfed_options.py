@@ -1,0 +1,146 @@
+"""Learn2pFed's two open choices measured: Lambda_i diagonal (the paper's text) or full (the
+authors' code), and the meta loss over clients (the paper's text) or over pooled rows (the
+authors' code), on the polynomial tasks (poly1-poly3 and their data-scarce variants), 3 seeds.
+
+Each (task, seed) trains Theta under both supervision signals with each of the four
+combinations, in this process (no Prefect, no MLflow: the library's meta-training as the
+`learn2pfed` stage runs it, on the same partitions). The choice is made on the validation MSE
+of `train`-supervised runs (whose meta loss never sees the validation split); test MSE of both
+signals is reported beside it, never chosen on.
+
+    python -m bench.learn2pfed_options            # about 10 minutes on 2 cores
+    python -m bench.learn2pfed_options --quick    # one task, one seed, 20 meta-epochs: a smoke run
+
+Writes bench/results/<date>-learn2pfed-options.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import itertools
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from pfl_tasks.algorithms.learn2pfed import Cells
+from pfl_tasks.algorithms.learn2pfed_meta import evaluate, make_optimizer, meta_epoch, padded_problem
+from pfl_tasks.config import load_params
+from pfl_tasks.data import build_partition, load_partition, write_partition
+
+RESULTS = Path(__file__).parent / "results"
+TASKS = {"params.yaml": ["poly1"],
+         "params-extended.yaml": ["poly2", "poly3", "poly1_scarce", "poly2_scarce", "poly3_scarce"]}
+COMBOS = list(itertools.product(("diagonal", "full"), ("clients", "pooled")))
+
+
+def problems(params, experiment: str, seed: int, bias: bool):
+    """(train, val, test) stacks of the experiment's partition for `seed`, as the stage builds them."""
+    exp = params.experiment(experiment)
+    table, manifest = build_partition(exp.dataset, params.datasets[exp.dataset], seed)
+    with tempfile.TemporaryDirectory() as tmp:
+        write_partition(table, manifest, Path(tmp))
+        data = load_partition(Path(tmp))
+
+    def features(x):
+        flat = x.flatten(1)
+        return torch.cat([flat, torch.ones(len(x), 1)], 1) if bias else flat
+
+    return tuple(padded_problem(split, features(split.x), 0, name) for split, name in
+                 ((data.train, "training"), (data.val, "validation"), (data.test, "test")))
+
+
+def one_run(cfg, train, supervise, val, test, seed: int) -> dict:
+    w0 = torch.zeros(train.dim, dtype=torch.float64)
+    cells = Cells(train, cfg.cells, cfg.tied, cfg.init.model_dump(), torch.Generator().manual_seed(seed), cfg.lambda_)
+    opt = make_optimizer(cells, cfg.meta)
+    losses = [meta_epoch(cells, opt, cfg, e, train, supervise, w0)[0] for e in range(cfg.meta.epochs)]
+    if not all(map(torch.isfinite, map(torch.tensor, losses))):
+        return {"diverged": True}
+    mse = {split: evaluate(cells, train, problem, w0, cfg)["personalized"]["mse"].mean().item()
+           for split, problem in (("val", val), ("test", test))}
+    return {"diverged": False, **mse, "meta_loss_last": losses[-1]}
+
+
+def measure(quick: bool) -> dict:
+    rows = []
+    for params_path, experiments in TASKS.items():
+        params = load_params(params_path)
+        for experiment in experiments[:1] if quick else experiments:
+            base = params.learn2pfed.get(experiment) or params.learn2pfed.get("poly2")
+            seeds = params.experiment(experiment).seeds[:1] if quick else params.experiment(experiment).seeds
+            for seed in seeds:
+                train, val, test = problems(params, experiment, seed, base.bias)
+                for (form, loss), supervision in itertools.product(COMBOS, ("train", "val")):
+                    cfg = base.model_copy(update={"lambda_": form, "meta_loss": loss})
+                    if quick:
+                        cfg = cfg.model_copy(update={"meta": cfg.meta.model_copy(update={"epochs": 20})})
+                    start = time.perf_counter()
+                    out = one_run(cfg, train, train if supervision == "train" else val, val, test, seed)
+                    rows.append({"task": experiment, "seed": seed, "lambda": form, "meta_loss": loss,
+                                 "supervision": supervision, "seconds": time.perf_counter() - start, **out})
+                    print(f"  {experiment} seed {seed} {form}/{loss} ({supervision}): "
+                          + ("diverged" if out["diverged"] else f"val {out['val']:.4f} test {out['test']:.4f}"),
+                          flush=True)
+    return {"date": datetime.datetime.now().isoformat(timespec="seconds"), "quick": quick, "rows": rows}
+
+
+def mean_sd(values: list[float]) -> str:
+    if not values:
+        return "–"
+    sd = f" ± {statistics.stdev(values):.4f}" if len(values) > 1 else ""
+    return f"{statistics.mean(values):.4f}{sd}"
+
+
+def markdown(result: dict) -> str:
+    rows = result["rows"]
+    tasks = list(dict.fromkeys(r["task"] for r in rows))
+    head = " | ".join(f"{form}/{loss}" for form, loss in COMBOS)
+    out = [f"# Learn2pFed: Lambda diagonal or full, meta loss over clients or pooled rows ({result['date']})", ""]
+    for title, supervision, split in (("validation MSE, train-supervised (the choice is made here)", "train", "val"),
+                                      ("test MSE, train-supervised", "train", "test"),
+                                      ("test MSE, val-supervised", "val", "test")):
+        out += [f"## {title}: mean ± sd over seeds, personalized model, mean over clients", "",
+                f"| task | {head} |", "|---" * (len(COMBOS) + 1) + "|"]
+        for task in tasks:
+            cells = []
+            for form, loss in COMBOS:
+                picked = [r for r in rows if (r["task"], r["lambda"], r["meta_loss"], r["supervision"]) ==
+                          (task, form, loss, supervision)]
+                values = [r[split] for r in picked if not r["diverged"]]
+                failed = len(picked) - len(values)
+                cells.append(mean_sd(values) + (f" ({failed} diverged)" if failed else ""))
+            out.append(f"| {task} | " + " | ".join(cells) + " |")
+        out.append("")
+    ranks = {combo: [] for combo in COMBOS}
+    for task in tasks:
+        means = {combo: round(statistics.mean(r["val"] for r in rows if not r["diverged"] and
+                                              (r["task"], r["lambda"], r["meta_loss"], r["supervision"]) ==
+                                              (task, *combo, "train")), 4) for combo in COMBOS}
+        for combo, value in means.items():  # ties (to the 4 decimals shown) share their mean rank
+            ranks[combo].append(sum(v < value for v in means.values()) + (sum(v == value for v in means.values()) + 1) / 2)
+    out.append("Mean rank over the tasks of the validation MSE above (train-supervised; 1 = lowest, ties share "
+               "their mean rank): " + ", ".join(f"{form}/{loss} {statistics.mean(r):.2f}" for (form, loss), r in ranks.items()))
+    return "\n".join(out) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    result = measure(args.quick)
+    stem = RESULTS / f"{datetime.date.today()}-learn2pfed-options{'-quick' if args.quick else ''}"
+    stem.with_suffix(".json").write_text(json.dumps(result, indent=1))
+    stem.with_suffix(".md").write_text(markdown(result))
+    print(markdown(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
