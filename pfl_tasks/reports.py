@@ -387,8 +387,9 @@ def markdown(experiment: str, metric: str, results: list[MethodResult], figures:
 
 
 def test_selected_lines(results: list[MethodResult]) -> list[str]:
-    """The test-selected statistic of published tables (PFLlib's), in a section of its own."""
-    shown = [r for r in results if r.test_selected is not None]
+    """The test-selected statistic of published tables (PFLlib's), in a section of its own, for
+    the ranked methods (an unranked run's best round says nothing comparable)."""
+    shown = [r for r in results if r.ranked and r.test_selected is not None]
     if not shown:
         return []
     return ["", "## Test-selected, for comparison with published numbers only", "",
