@@ -22,7 +22,6 @@ import itertools
 import json
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -31,7 +30,7 @@ import torch
 from pfl_tasks.algorithms.learn2pfed import Cells
 from pfl_tasks.algorithms.learn2pfed_meta import evaluate, make_optimizer, meta_epoch, padded_problem
 from pfl_tasks.config import load_params
-from pfl_tasks.data import build_partition, load_partition, write_partition
+from pfl_tasks.estimate import built_partition
 
 RESULTS = Path(__file__).parent / "results"
 TASKS = {"params.yaml": ["poly1"],
@@ -42,10 +41,7 @@ COMBOS = list(itertools.product(("diagonal", "full"), ("clients", "pooled")))
 def problems(params, experiment: str, seed: int, bias: bool):
     """(train, val, test) stacks of the experiment's partition for `seed`, as the stage builds them."""
     exp = params.experiment(experiment)
-    table, manifest = build_partition(exp.dataset, params.datasets[exp.dataset], seed)
-    with tempfile.TemporaryDirectory() as tmp:
-        write_partition(table, manifest, Path(tmp))
-        data = load_partition(Path(tmp))
+    data = built_partition(exp.dataset, params.datasets[exp.dataset], seed)
 
     def features(x):
         flat = x.flatten(1)

@@ -58,16 +58,13 @@ UNEVEN = {
 
 def uneven_federation(dataset: dict, model: dict, executor: str, device: str = "cpu") -> Federation:
     """FedProx (mu 0.01) on `dataset`'s seed-0 partition, one epoch of batch 8 per round."""
-    from pfl_tasks.data import build_partition, load_partition, write_partition
+    from pfl_tasks.estimate import built_partition
 
     params = parse_params({
         "datasets": {"d": dataset}, "experiments": {"e": {"dataset": "d", "model": model, "algorithms": ["fedprox"]}},
         "federation": {"rounds": 1}, "local": {"epochs": 1, "batch_size": 8, "optimizer": {"lr": 0.05}},
         "engine": {"executor": executor, "device": device, "orchestrator": "inline"}})
-    table, manifest = build_partition("d", params.datasets["d"], 0)
-    with tempfile.TemporaryDirectory() as tmp:
-        write_partition(table, manifest, Path(tmp))
-        data = load_partition(Path(tmp))
+    data = built_partition("d", params.datasets["d"], 0)
     return Federation(params.experiment("e"), build("fedprox", {"mu": 0.01}), data)
 
 

@@ -12,15 +12,25 @@ from __future__ import annotations
 
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
+from dataclasses import dataclass
 
 from pfl_tasks.algorithms import build
 from pfl_tasks.config import Params
-from pfl_tasks.data import build_partition, load_partition, write_partition
+from pfl_tasks.data import FederatedData, build_partition, load_partition, write_partition
 from pfl_tasks.engine.device import describe
 from pfl_tasks.engine.federation import Federation
 from pfl_tasks.engine.steps import InlineSteps
+
+
+def built_partition(name: str, cfg, seed: int) -> FederatedData:
+    """The partition `prepare` would write, built, written, verified and read back as a stage
+    reads it, its files not kept (a dry run, a benchmark). Here, not in the data layer, whose
+    files are every run's code identity."""
+    table, manifest = build_partition(name, cfg, seed)
+    with tempfile.TemporaryDirectory() as tmp:
+        write_partition(table, manifest, Path(tmp))
+        return load_partition(Path(tmp))
 
 
 @dataclass(frozen=True)
@@ -41,10 +51,7 @@ def estimate(params: Params, experiment: str, rounds: int = 1) -> tuple[str, lis
     """The platform it was measured on, and each algorithm's estimate."""
     exp = params.experiment(experiment)
     seed, fed_cfg = exp.seeds[0], exp.federation
-    table, manifest = build_partition(exp.dataset, params.datasets[exp.dataset], seed)
-    with tempfile.TemporaryDirectory() as tmp:
-        write_partition(table, manifest, Path(tmp))
-        data = load_partition(Path(tmp))
+    data = built_partition(exp.dataset, params.datasets[exp.dataset], seed)
     evaluations = len(set(range(fed_cfg.eval_every, fed_cfg.rounds + 1, fed_cfg.eval_every)) | {fed_cfg.rounds})
     out, platform = [], ""
     for name in exp.algorithms:
