@@ -140,24 +140,27 @@ def _drain_prefect_workers(server_died: bool) -> None:
     (each record would wait out the client's retries, about 7 s), is dropped with one line, and
     so is their drain at interpreter exit; a signal during the wait drops it too."""
     from prefect._internal.concurrency.services import _QueueServiceBase  # every worker's base: no public list
-    from prefect.events.worker import EventsWorker
-    from prefect.logging.handlers import APILogWorker
 
-    for worker in (APILogWorker, EventsWorker):  # each logs to a logger named after its class
-        logging.getLogger(worker.__name__).setLevel(logging.ERROR)
     with _QueueServiceBase._instance_cache_lock:
         workers = list(_QueueServiceBase._instances.values())
+    for worker in workers:  # each warns on a logger named after its class
+        worker._logger.setLevel(logging.ERROR)
     try:
         _QueueServiceBase.drain_all(timeout=0 if server_died else DRAIN_SECONDS)
     finally:
         left = [w for w in workers if w._done_event is not None and not w._done_event.is_set()]
         lost = sum(_drop(w) for w in left)
         if server_died:
-            print(f"the stage's Prefect server died: the {lost} logs and events its client still held are lost",
-                  file=sys.stderr)
+            _say(f"the stage's Prefect server died: the {lost} logs and events its client still held are lost")
         elif left:
-            print(f"the stage's Prefect server had not taken the last logs and events after {DRAIN_SECONDS:g} s: "
-                  f"the {lost} still queued are lost", file=sys.stderr)
+            _say(f"the stage's Prefect server had not taken the last logs and events after {DRAIN_SECONDS:g} s: "
+                 f"the {lost} still queued are lost")
+
+
+def _say(line: str) -> None:
+    """One line on stderr in one write, so that a worker thread's output cannot split it."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
 
 
 def _drop(worker) -> int:
