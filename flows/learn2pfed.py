@@ -58,7 +58,7 @@ class Problems:
 
 def learn2pfed_code(params, experiment: str) -> list[Path]:
     """The code that can change a Learn2pFed run's numbers: this flow (its meta-training
-    loop), the Learn2pFed modules and the round runtime (`numeric_code`), with the module of
+    loop), the Learn2pFed modules, the round runtime and the selection rules (`numeric_code`), with the module of
     the algorithm whose checkpoint gives its features, if any; not the tracking and outputs."""
     upstream = params.learn2pfed[experiment].features_from
     hyper = params.experiment(experiment).hyper

@@ -2,10 +2,11 @@
 deps (its DVC stage's) and the code part of its identity (its checkpoint's).
 
 A run's numbers come from the round runtime (`pfl_tasks/engine/federation.py` and
-`pfl_tasks/engine/steps.py`: config, data, nets and engine) and its own algorithm's module with
-what that imports, the algorithm base among it (`numeric_code`). The training loop, selection
-rules, MLflow store, run outputs, reports and flows around them are plumbing: an edit there
-changes no number, so it restarts no run. The algorithm package
+`pfl_tasks/engine/steps.py`: config, data, nets and engine), the selection rules that pick its
+reported round (`pfl_tasks/selection.py`) and its own algorithm's module with what that
+imports, the algorithm base among it (`numeric_code`). The training loop, MLflow store, run
+outputs, reports and flows around them are plumbing: an edit there changes no number, so it
+restarts no run. The algorithm package
 imports every other algorithm's module only to register it by name, and those modules cannot
 change this run's numbers either.
 """
@@ -20,6 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("pfl_tasks", "flows")
 REGISTRATION = ROOT / "pfl_tasks" / "algorithms" / "__init__.py"
 ROUND_RUNTIME = (ROOT / "pfl_tasks" / "engine" / "federation.py", ROOT / "pfl_tasks" / "engine" / "steps.py")
+SELECTION = ROOT / "pfl_tasks" / "selection.py"  # which evaluation a run reports
 
 
 def _module_file(name: str) -> Path | None:
@@ -75,9 +77,9 @@ def run_code(*entries: Path) -> list[Path]:
 
 
 def numeric_code(*algorithm_files: Path) -> list[Path]:
-    """What can change the numbers of runs of these algorithm modules: the round runtime and
-    the modules, with everything they import."""
-    return run_code(*ROUND_RUNTIME, *algorithm_files)
+    """What can change the numbers of runs of these algorithm modules: the round runtime, the
+    selection rules and the modules, with everything they import."""
+    return run_code(*ROUND_RUNTIME, SELECTION, *algorithm_files)
 
 
 def code_hash(files: list[Path]) -> str:
