@@ -77,25 +77,11 @@ RESUMABLE = frozenset({"experiment.federation.eval_every", "experiment.federatio
 
 def resume_point(path: Path, identity: dict, total: int, on_config_change: str) -> dict | None:
     """The checkpoint to resume from, None to start fresh; raises on foreign/corrupt files and
-    on a checkpoint no `on_config_change` but restart may continue (one of another federation,
-    data, model or training, or past `total`)."""
+    on a checkpoint no `on_config_change` but restart may continue."""
     if not path.exists():
         return None
     ckpt = load_checkpoint(path, {k: identity[k] for k in ("experiment", "algorithm")})
-    problem = unresumable = None
-    if ckpt["round"] > total:
-        problem = unresumable = f"it is at step {ckpt['round']}, beyond the configured {total}"
-    elif ckpt["config_hash"] != identity["config_hash"]:
-        old, new = flatten(json.loads(ckpt["config"])), flatten(json.loads(identity["config"]))
-        changed = sorted(key for key in old.keys() | new.keys() if old.get(key) != new.get(key))
-        problem = f"configuration changed ({', '.join(changed)})"
-        fixed = [f"{key} {old.get(key, '(unset)')} -> {new.get(key, '(unset)')}" for key in changed
-                 if key not in RESUMABLE]
-        if fixed:
-            unresumable = f"its clients, data, model, training or code differ from this run's ({'; '.join(fixed)})"
-    elif "platform" in identity and ckpt.get("platform") != identity["platform"]:
-        problem = (f"it was computed on {ckpt.get('platform', 'an unrecorded platform')}, this run computes on "
-                   f"{identity['platform']} (the numbers would mix both)")
+    problem, unresumable = checkpoint_problem(ckpt, identity, total)
     if problem is None:
         return ckpt
     if on_config_change == "restart":
@@ -110,6 +96,27 @@ def resume_point(path: Path, identity: dict, total: int, on_config_change: str) 
         f"{path}: {problem}. Pass --on-config-change restart to discard it, "
         "or --on-config-change resume to continue from it anyway."
     )
+
+
+def checkpoint_problem(ckpt: dict, identity: dict, total: int) -> tuple[str | None, str | None]:
+    """Why a run of `identity` and `total` steps may not simply continue `ckpt`: (problem,
+    unresumable), both None when it may; `unresumable` when only a restart may (a checkpoint of
+    another federation, data, model, training or code, or past `total`)."""
+    problem = unresumable = None
+    if ckpt["round"] > total:
+        problem = unresumable = f"it is at step {ckpt['round']}, beyond the configured {total}"
+    elif ckpt["config_hash"] != identity["config_hash"]:
+        old, new = flatten(json.loads(ckpt["config"])), flatten(json.loads(identity["config"]))
+        changed = sorted(key for key in old.keys() | new.keys() if old.get(key) != new.get(key))
+        problem = f"configuration changed ({', '.join(changed)})"
+        fixed = [f"{key} {old.get(key, '(unset)')} -> {new.get(key, '(unset)')}" for key in changed
+                 if key not in RESUMABLE]
+        if fixed:
+            unresumable = f"its clients, data, model, training or code differ from this run's ({'; '.join(fixed)})"
+    elif "platform" in identity and ckpt.get("platform") != identity["platform"]:
+        problem = (f"it was computed on {ckpt.get('platform', 'an unrecorded platform')}, this run computes on "
+                   f"{identity['platform']} (the numbers would mix both)")
+    return problem, unresumable
 
 
 class Run:

@@ -24,7 +24,7 @@ from pfl_tasks.engine.steps import Steps
 from pfl_tasks.errors import CheckpointError, DataValidationError
 from pfl_tasks.imports import code_hash, numeric_code
 from pfl_tasks.outputs import dvc_curve, evaluation_line, learning_curve_png, per_client_rows, pinned_run, write_csv
-from pfl_tasks.runs import Run, RunPaths, resume_point
+from pfl_tasks.runs import Run, RunPaths, checkpoint_problem, resume_point
 from pfl_tasks.selection import final_metrics, personalized_is_global, plateau, selected_index, summarize_eval
 from pfl_tasks.tracking import flatten, run_tags
 
@@ -82,11 +82,11 @@ def finished_outcome(exp: ResolvedExperiment, run_name: str, raw_hp: dict, root:
         return None
     identity = run_identity(exp, run_name, raw_hp, manifest.table_sha256[:16])
     try:
-        ckpt = load_checkpoint(paths.checkpoint, {k: identity[k] for k in ("experiment", "algorithm", "config_hash")})
+        ckpt = load_checkpoint(paths.checkpoint, {k: identity[k] for k in ("experiment", "algorithm")})
     except CheckpointError:
         return None
-    same = (ckpt["round"] == exp.federation.rounds and ckpt.get("platform") == identity["platform"]
-            and ckpt.get("mlflow_run_id") == pinned_run(outcome))
+    problem, _ = checkpoint_problem(ckpt, identity, exp.federation.rounds)
+    same = problem is None and ckpt["round"] == exp.federation.rounds and ckpt.get("mlflow_run_id") == pinned_run(outcome)
     return outcome if same else None
 
 

@@ -4,6 +4,7 @@ training; and a run that aggregated too few of its rounds is listed, never ranke
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
@@ -14,12 +15,12 @@ from conftest import mlflow_uri, tiny_params, tracking
 from flows.prepare import prepare
 from flows.tables import build_table
 from pfl_tasks.config import parse_params
-from pfl_tasks.engine.checkpoint import load_checkpoint
+from pfl_tasks.engine.checkpoint import load_checkpoint, save_checkpoint
 from pfl_tasks.engine.steps import InlineSteps
 from pfl_tasks.errors import CheckpointError
 from pfl_tasks.reports import best_line, configured_runs, write_report
 from pfl_tasks.runs import RunPaths
-from pfl_tasks.training import train_run
+from pfl_tasks.training import finished_outcome, train_run
 
 
 def configured(**federation) -> dict:
@@ -77,6 +78,31 @@ def test_a_resume_into_other_clients_data_model_or_training_is_refused_naming_th
     with pytest.raises(CheckpointError, match=rf"cannot resume: .*{names}.*--on-config-change restart"):
         train(project, change(project, configured()), "local", on_config_change="resume")
     assert path.read_bytes() == before
+
+
+def test_a_run_is_kept_only_when_it_finished_under_this_identity_and_budget_pinning_its_mlflow_run(
+        project, checkpointed):
+    """What a train stage skips (`finished_outcome`): any other budget, cadence, model or
+    platform, or metrics naming another MLflow run than the checkpoint's, and the run runs."""
+    for folder in ("models", "metrics"):
+        shutil.copytree(checkpointed / folder, project / folder)
+    paths = RunPaths.of(project, "tiny", "local", 0)
+
+    def kept(data: dict) -> dict | None:
+        params = parse_params(data)
+        return finished_outcome(params.experiment("tiny"), "local", params.algorithms["local"], project)
+
+    assert kept(configured(rounds=2)) == json.loads(paths.metrics.read_text())
+    assert kept(configured(rounds=3)) is None
+    assert kept(configured(rounds=2, eval_every=1)) is None
+    assert kept(with_value(configured(rounds=2), "experiments.tiny.model.hidden", [32])) is None
+    ckpt = load_checkpoint(paths.checkpoint, {})
+    save_checkpoint(paths.checkpoint, {**ckpt, "platform": "another machine"})
+    assert kept(configured(rounds=2)) is None
+    save_checkpoint(paths.checkpoint, ckpt)
+    outcome = json.loads(paths.metrics.read_text())
+    paths.metrics.write_text(json.dumps({**outcome, "mlflow_run": ["another run"]}))
+    assert kept(configured(rounds=2)) is None
 
 
 def test_a_resume_across_a_new_budget_and_evaluation_cadence_is_bit_identical(project, tmp_path_factory):
