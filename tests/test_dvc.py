@@ -116,6 +116,11 @@ def test_dvc_repro_runs_caches_and_reruns_only_what_changed(repo_copy):
     fedprox = root / "pfl_tasks/algorithms/fedprox.py"
     fedprox.write_text(fedprox.read_text() + "# an edit\n")
     assert stale(root, env) == {"train-tiny", "tables", "compare"}  # not train-other
+    selection = root / "pfl_tasks/selection.py"  # which evaluation every run reports
+    selection.write_text(selection.read_text() + "# an edit\n")
+    assert stale(root, env) == {"train-tiny", "train-other", "learn2pfed-tiny", "tables", "compare"}
+    sh(["git", "checkout", "-q", "--", "pfl_tasks", "flows"], root, env)
+    assert not stale(root, env)
 
 
 def stale(root: Path, env: dict) -> set[str]:
