@@ -141,10 +141,12 @@ def _drain_prefect_workers(server_died: bool) -> None:
     so is their drain at interpreter exit; a signal during the wait drops it too."""
     from prefect._internal.concurrency.services import _QueueServiceBase  # every worker's base: no public list
 
+    kinds = [_QueueServiceBase]
+    for kind in kinds:  # every kind of worker warns on a logger named after its class
+        logging.getLogger(kind.__name__).setLevel(logging.ERROR)
+        kinds += kind.__subclasses__()
     with _QueueServiceBase._instance_cache_lock:
         workers = list(_QueueServiceBase._instances.values())
-    for worker in workers:  # each warns on a logger named after its class
-        worker._logger.setLevel(logging.ERROR)
     try:
         _QueueServiceBase.drain_all(timeout=0 if server_died else DRAIN_SECONDS)
     finally:

@@ -165,7 +165,7 @@ def test_dvc_exp_run_S_changes_a_default_hyper_parameter_and_reruns_only_its_run
     before = {alg: pinned(root, alg) for alg in ("local", "fedavg", "fedprox", "ditto")}
     ditto = root / "metrics/tiny/ditto/seed-0.json"
     score = json.loads(ditto.read_text())["val"]
-    out = sh([sys.executable, "-m", "dvc", "exp", "run", "-n", "mu0.01", "-S", "algorithms.ditto.mu=0.01"], root, env)
+    out = sh([sys.executable, "-m", "dvc", "exp", "run", "-n", "mu1.0", "-S", "algorithms.ditto.mu=1.0"], root, env)
     assert ran(out) == {"train-tiny", "tables", "compare"}
     assert "tiny: 3 of 4 runs already finished under the same config, data and code: kept" in out
     assert {alg for alg, run in before.items() if pinned(root, alg) != run} == {"ditto"}
@@ -190,7 +190,7 @@ def test_dvc_exp_apply_then_compare_reports_that_experiments_numbers(repo_copy):
     # the README's `dvc exp show`: experiments x the params varied x methods' means, in a terminal
     shown = sh([*dvc, "exp", "show", "--md", "--drop", ".*", "--keep",
                 r"Experiment|algorithms.ditto.mu|federation.rounds|tiny\.(ditto|fedavg)$"], root, env)
-    assert {"rounds4", "rounds5", "mu0.01", "tiny.ditto"} <= set(re.findall(r"[\w.]+", shown))
+    assert {"rounds4", "rounds5", "mu1.0", "tiny.ditto"} <= set(re.findall(r"[\w.]+", shown))
     assert max(map(len, shown.splitlines())) <= 120
 
 
