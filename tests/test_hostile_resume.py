@@ -100,6 +100,7 @@ def test_a_run_is_kept_only_when_it_finished_under_this_identity_and_budget_pinn
     save_checkpoint(paths.checkpoint, {**ckpt, "platform": "another machine"})
     assert kept(configured(rounds=2)) is None
     save_checkpoint(paths.checkpoint, ckpt)
+    assert kept(configured(rounds=2)) is not None  # restored: the pin alone decides below
     outcome = json.loads(paths.metrics.read_text())
     paths.metrics.write_text(json.dumps({**outcome, "mlflow_run": ["another run"]}))
     assert kept(configured(rounds=2)) is None
