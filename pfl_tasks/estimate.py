@@ -53,12 +53,11 @@ def estimate(params: Params, experiment: str, rounds: int = 1) -> tuple[str, lis
     seed, fed_cfg = exp.seeds[0], exp.federation
     data = built_partition(exp.dataset, params.datasets[exp.dataset], seed)
     evaluations = len(set(range(fed_cfg.eval_every, fed_cfg.rounds + 1, fed_cfg.eval_every)) | {fed_cfg.rounds})
+    run, steps = exp.model_copy(update={"seed": seed}), InlineSteps(exp.engine.max_workers)
     out, platform = [], ""
     for name in exp.algorithms:
-        run = exp.model_copy(update={"seed": seed})
         fed = Federation(run, build(name, exp.hyper[name]), data)
         platform = describe(fed.platform)
-        steps = InlineSteps(exp.engine.max_workers)
         state = steps.round(fed, fed.initial_state(), 0)  # warm-up
         start = time.perf_counter()
         for round_idx in range(1, 1 + rounds):
