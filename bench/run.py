@@ -10,10 +10,15 @@ by side in this one run: repetitions interleave the setups, and each time is a m
   P4  uneven clients: vectorized vs sequential FedProx round, one epoch of batch 8 per client,
       on FedProx Synthetic(0.5, 0.5) (natural lognormal sizes, linear model) and on digits
       Dirichlet(0.1); and what one vmapped step costs eager and under torch.compile
+  P8  the standard-protocol round (mnist, MLP 784-100-10, 1 epoch of batch 10, all 20 clients,
+      1 thread, evaluated) of every registered algorithm, vectorized and sequential, against its
+      floor (counted sample-passes x FLOPs per pass / this machine's measured matmul rate); and
+      the share of a training run's evaluated round that its bookkeeping takes
   profile  where one default training run's time goes, model math or not
 
     make bench                        # = python -m bench.run
     python -m bench.run --quick       # smaller K and reps: a smoke run
+    python -m bench.run --only-p8     # P8 alone, about 5 minutes
     python -m bench.run --device cuda # the GPU check (bench/gpu.py), about 5 minutes
 
 Writes bench/results/<date>-<host>.json, .md and .png (-cuda.json and .md for the GPU check)
@@ -31,6 +36,7 @@ import os
 import platform
 import pstats
 import socket
+import statistics
 import sys
 import tempfile
 import time
@@ -39,10 +45,10 @@ from pathlib import Path
 import torch
 
 from bench.common import MODELS, interleaved, one_round, p1, p3
-from pfl_tasks.algorithms import build
+from pfl_tasks.algorithms import ALGORITHMS, build
 from pfl_tasks.config import TrackingConfig, load_params, parse_params
 from pfl_tasks.engine.federation import Federation
-from pfl_tasks.engine.steps import InlineSteps
+from pfl_tasks.engine.steps import InlineSteps, run_round
 
 RESULTS = Path(__file__).parent / "results"
 # ----------------------------------------------------------------------------- P4
@@ -119,6 +125,149 @@ def compiled_step(reps: int) -> dict:
            "compiled_us": t["compiled"] * 1e4, "ratio": t["eager"] / t["compiled"], "compile_s": compile_s}
     print(f"  {row['case']}: eager {row['eager_us']:.0f}us, compiled {row['compiled_us']:.0f}us, "
           f"compile {compile_s:.0f}s", flush=True)
+    return row
+
+
+# ----------------------------------------------------------------------------- P8
+P8_PROTOCOL = "mnist (MNIST-5k, Dirichlet(0.1), 20 clients), MLP 784-100-10, 1 epoch of batch 10, SGD lr 0.05, " \
+              "all 20 clients, 1 torch thread, every round evaluated"
+
+
+def matmul_gflops(reps: int) -> float:
+    """This machine's 1-thread float32 matmul throughput: the median of `reps` 1024x1024 products."""
+    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+    a @ b
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        for _ in range(10):
+            a @ b
+        times.append((time.perf_counter() - start) / 10)
+    return 2 * 1024**3 / statistics.median(times) / 1e9
+
+
+def p8_federation(algorithm: str, executor: str) -> Federation:
+    """The standard local protocol on the default benchmark's partition (seed 0), the
+    algorithm at its paper defaults."""
+    from pfl_tasks.estimate import built_partition
+
+    base = load_params("params.yaml")
+    params = parse_params({
+        "datasets": {"mnist": base.datasets["mnist"].model_dump(mode="json")},
+        "experiments": {"p8": {"dataset": "mnist", "model": {"kind": "mlp", "hidden": [100]}, "algorithms": [algorithm]}},
+        "federation": {"rounds": 1, "eval_every": 1}, "local": {"epochs": 1, "batch_size": 10, "optimizer": {"lr": 0.05}},
+        "engine": {"executor": executor, "device": "cpu", "orchestrator": "inline"}})
+    exp = params.experiment("p8")
+    if "mnist" not in _P8_DATA:
+        _P8_DATA["mnist"] = built_partition("mnist", params.datasets["mnist"], 0)
+    return Federation(exp, build(algorithm, exp.hyper[algorithm]), _P8_DATA["mnist"])
+
+
+_P8_DATA: dict = {}
+
+
+def evaluated_round(fed: Federation):
+    """A callable playing the next round and evaluating every client, as a run with
+    eval_every 1 does; it adds the round's counted sample-passes to `passes`: training
+    (forward-backward, and any fine-tuning at evaluation) and evaluation (forward only)."""
+    state, done = fed.initial_state(), [0]
+    passes = {"train": [], "forward": []}
+    evaluate_rows, original = [0], fed._eval
+
+    def counting_eval(split, ids, *args):
+        evaluate_rows[0] += int(fed.splits[split].counts[ids.cpu()].sum())
+        return original(split, ids, *args)
+
+    fed._eval = counting_eval
+
+    def play():
+        nonlocal state
+        state = run_round(InlineSteps(1), fed, state, done[0])
+        evaluate_rows[0] = 0
+        evaluation = fed.evaluate(state)
+        passes["train"].append(state.grad_samples + evaluation.grad_samples)
+        passes["forward"].append(evaluate_rows[0])
+        done[0] += 1
+
+    return play, passes
+
+
+def p8(reps: int, algorithms: list[str]) -> dict:
+    """Every registered algorithm's evaluated round on the standard protocol, vectorized and
+    sequential, against its floor: its counted sample-passes times the model's FLOPs per pass
+    (6 x multiply-adds for a forward-backward pass, 2 x for a forward one) over this machine's
+    1-thread matmul throughput, measured in the same run."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        gflops = matmul_gflops(max(reps, 5))
+        rows = []
+        for name in algorithms:
+            feds = {ex: p8_federation(name, ex) for ex in ("vectorized", "sequential")}
+            macs = sum(m.weight.numel() for m in feds["vectorized"].net if isinstance(m, torch.nn.Linear))
+            played = {ex: evaluated_round(fed) for ex, fed in feds.items()}
+            t = interleaved({ex: play for ex, (play, _) in played.items()}, reps)
+            passes = played["vectorized"][1]
+            train, forward = statistics.median(passes["train"]), statistics.median(passes["forward"])
+            floor_s = (6 * train + 2 * forward) * macs / (gflops * 1e9)
+            rows.append({"algorithm": name, "vectorized_s": t["vectorized"], "sequential_s": t["sequential"],
+                         "speedup": t["sequential"] / t["vectorized"], "floor_s": floor_s,
+                         "over_floor": t["vectorized"] / floor_s, "train_passes": train, "forward_passes": forward,
+                         "target_over_floor": 4 if name == "fedavg" else 8})
+            print(f"  {name}: {1e3 * t['vectorized']:.0f} ms, {rows[-1]['over_floor']:.1f}x floor, "
+                  f"{rows[-1]['speedup']:.1f}x sequential", flush=True)
+    finally:
+        torch.set_num_threads(threads)
+    return {"case": f"P8 the standard-protocol round: {P8_PROTOCOL}", "matmul_gflops": gflops,
+            "multiply_adds_per_sample": macs, "rows": rows}
+
+
+class TimedSteps(InlineSteps):
+    """Inline steps that time the round and evaluation computations of a training run."""
+
+    def __init__(self):
+        super().__init__(1)
+        self.starts, self.compute = [], []
+
+    def round(self, fed, state, round_idx):
+        self.starts.append(time.perf_counter())
+        out = super().round(fed, state, round_idx)
+        self.compute.append(time.perf_counter() - self.starts[-1])
+        return out
+
+    def evaluate(self, fed, done, state):
+        start = time.perf_counter()
+        out = super().evaluate(fed, done, state)
+        self.compute[-1] += time.perf_counter() - start
+        return out
+
+
+def p8_bookkeeping(rounds: int) -> dict:
+    """What a training run (`train_run`: MLflow, the run's history and outputs, its console
+    line) adds to each evaluated round on the P8 setup with FedAvg, evaluation every round, 1
+    thread: the wall time from the first round's start to the last's less the rounds' and
+    evaluations' computation, over that wall time (the run's start and finish not counted)."""
+    from flows.prepare import prepare
+    from pfl_tasks.training import train_run
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    fed = p8_federation("fedavg", "vectorized")
+    exp = fed.exp.model_copy(update={"federation": fed.exp.federation.model_copy(
+        update={"rounds": rounds, "checkpoint_every": rounds}), "seed": 0, "dataset": "mnist"})
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            prepare("mnist", "params.yaml", Path(tmp) / "data" / "partitions")
+            steps = TimedSteps()
+            train_run(exp, "fedavg", {}, Path(tmp), steps,
+                      tracking=TrackingConfig(mlflow_uri=f"sqlite:///{tmp}/mlflow.db"))
+    finally:
+        torch.set_num_threads(threads)
+    walls, compute = [b - a for a, b in zip(steps.starts, steps.starts[1:])], steps.compute[:-1]
+    row = {"case": f"P8 bookkeeping: a fedavg training run of {rounds} rounds, every round evaluated and logged",
+           "round_s": sum(walls) / len(walls), "compute_s": sum(compute) / len(compute),
+           "share": 1 - sum(compute) / sum(walls), "target_max": 0.10}
+    print(f"  bookkeeping {100 * row['share']:.1f}% of an evaluated round ({1e3 * row['round_s']:.0f} ms)", flush=True)
     return row
 
 
@@ -248,12 +397,32 @@ def machine() -> dict:
             "torch": torch.__version__, "python": platform.python_version()}
 
 
+def p8_markdown(result: dict) -> list[str]:
+    p8, book = result["p8"], result["p8_bookkeeping"]
+    lines = [f"{p8['case']}. Floor: the round's counted sample-passes x {p8['multiply_adds_per_sample']:,} "
+             f"multiply-adds x 6 (forward-backward) or 2 (evaluation's forward), over this machine's 1-thread "
+             f"matmul throughput measured in this run, {p8['matmul_gflops']:.0f} GFLOP/s. Medians of interleaved "
+             "evaluated rounds.", "",
+             "| algorithm | vectorized | sequential | vectorized / sequential | floor | round / floor | target | met |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in p8["rows"]:
+        lines.append(f"| {r['algorithm']} | {1e3 * r['vectorized_s']:.0f} ms | {1e3 * r['sequential_s']:.0f} ms "
+                     f"| {r['speedup']:.1f}x | {1e3 * r['floor_s']:.1f} ms | {r['over_floor']:.1f}x "
+                     f"| ≤ {r['target_over_floor']}x | {'yes' if r['over_floor'] <= r['target_over_floor'] else 'NO'} |")
+    lines += ["", f"{book['case']}: {1e3 * book['round_s']:.0f} ms a round, of which bookkeeping (MLflow, outputs, "
+              f"console) {100 * book['share']:.1f}% (target ≤ {100 * book['target_max']:.0f}%: "
+              f"{'yes' if book['share'] <= book['target_max'] else 'NO'}).", ""]
+    return lines
+
+
 def markdown(result: dict) -> str:
     m = result["machine"]
     lines = [f"# Benchmark {result['date']} on {m['host']}", "",
              f"{m['cores']} cores, {m['torch_threads']} torch threads, device {m['device']}, torch {m['torch']}; "
              f"medians of {result['reps']} interleaved repetitions.", "",
-             "| case | measured | ratio | target | met |", "|---|---|---|---|---|"]
+             *p8_markdown(result), "| case | measured | ratio | target | met |", "|---|---|---|---|---|"]
+    if "p1" not in result:
+        return "\n".join(lines[:-2]) + "\n"
     for r in result["p1"]:
         met = "" if r["target"] is None else ("yes" if r["ratio"] >= r["target"] else "NO")
         lines.append(f"| {r['case']} (sequential / vectorized) | {r['sequential_s']:.3f}s / {r['vectorized_s']:.3f}s "
@@ -316,6 +485,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="K=20/100 and N up to 1,000: a smoke run")
+    parser.add_argument("--only-p8", action="store_true", help="P8 alone (about 5 minutes)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                         help="cuda: the GPU check instead (bench/gpu.py: tests, P1/P3, CPU vs CUDA, traffic, determinism)")
     args = parser.parse_args(argv)
@@ -328,6 +498,11 @@ def main(argv: list[str] | None = None) -> int:
 
         return gpu.main(result, RESULTS)
     import flows  # noqa: F401  (environment defaults for Prefect and MLflow)
+    print("P8 the standard-protocol round against the floor", flush=True)
+    result["p8"] = p8(reps, sorted(ALGORITHMS))
+    result["p8_bookkeeping"] = p8_bookkeeping(20 if args.quick else 60)
+    if args.only_p8:
+        return write(result, args.quick)
     print("P1 vectorized vs sequential", flush=True)
     result["p1"] = p1(reps, [20, 100] if args.quick else [100, 1000])
     print("P4 uneven clients", flush=True)
@@ -340,14 +515,19 @@ def main(argv: list[str] | None = None) -> int:
     print("profile", flush=True)
     result["profile"] = profile(5 if args.quick else 20)
 
+    return write(result, args.quick)
+
+
+def write(result: dict, quick: bool) -> int:
     RESULTS.mkdir(exist_ok=True)
-    stem = RESULTS / f"{datetime.date.today()}-{result['machine']['host']}{'-quick' if args.quick else ''}"
+    stem = RESULTS / f"{datetime.date.today()}-{result['machine']['host']}{'-quick' if quick else ''}"
     stem.with_suffix(".json").write_text(json.dumps(result, indent=1))
     text = markdown(result)
     stem.with_suffix(".md").write_text(text)
-    plot(result, stem.with_suffix(".png"))
+    if "p1" in result:
+        plot(result, stem.with_suffix(".png"))
     print(text)
-    print(f"-> {stem}.json, .md, .png")
+    print(f"-> {stem}.json, .md{', .png' if 'p1' in result else ''}")
     return 0
 
 

@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--root", default=".", help="where its data, models, metrics, plots and reports go")
     parser.add_argument("experiments", nargs="*", help="default: every experiment of the params file")
     parser.add_argument("--estimate", action="store_true",
-                        help="run nothing: time a round and an evaluation of each algorithm on this machine "
+                        help="run nothing: time 3 rounds and an evaluation of each algorithm on this machine "
                              "and print the experiments' estimated training time")
     args = parser.parse_args(argv)
 
@@ -113,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
         params, chosen = checked_params(args.params, args.experiments or None)  # before the Prefect server starts
         if args.estimate:
             for experiment in chosen:
-                print(report(experiment, *estimate(params, experiment)), flush=True)
+                print(report(experiment, *estimate(params, experiment, progress=lambda line: print(
+                    line, file=sys.stderr, flush=True))), flush=True)
             return
         with prefect_api():
             pipeline_flow(args.params, args.root, args.experiments or None)

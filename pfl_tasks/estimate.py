@@ -1,10 +1,10 @@
 """A dry run's time: an experiment's rounds and evaluations times the step times measured on
 this machine, before committing hours to it (`python -m flows.pipeline ... --estimate`).
 
-Each algorithm runs one warm-up round, then `rounds` timed rounds and one timed evaluation, on
+Each algorithm runs one warm-up round, then `rounds` (3) timed rounds and one timed evaluation, on
 the experiment's first seed's partition built in memory (nothing is written: no partition,
 checkpoint, MLflow or Prefect run). The estimate is per algorithm: seeds x (rounds x round time
-+ evaluations x evaluation time), plus their sum; the fixed costs of a stage (its start, the
++ evaluations x evaluation time), a range from the fastest to the slowest timed round, plus their sum; the fixed costs of a stage (its start, the
 store, checkpoints) and the Learn2pFed stage are not in it.
 """
 
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from dataclasses import dataclass
 
@@ -36,36 +37,44 @@ def built_partition(name: str, cfg, seed: int) -> FederatedData:
 @dataclass(frozen=True)
 class Estimate:
     algorithm: str
-    round_s: float  # one round, measured
+    round_s: tuple[float, ...]  # each timed round
     evaluation_s: float  # one evaluation of every client, measured
     runs: int  # seeds
     rounds: int
     evaluations: int
 
+    def total_s(self, round_s: float) -> float:
+        return self.runs * (self.rounds * round_s + self.evaluations * self.evaluation_s)
+
     @property
-    def total_s(self) -> float:
-        return self.runs * (self.rounds * self.round_s + self.evaluations * self.evaluation_s)
+    def range_s(self) -> tuple[float, float]:
+        """The estimate at the fastest and at the slowest timed round."""
+        return self.total_s(min(self.round_s)), self.total_s(max(self.round_s))
 
 
-def estimate(params: Params, experiment: str, rounds: int = 1) -> tuple[str, list[Estimate]]:
-    """The platform it was measured on, and each algorithm's estimate."""
+def estimate(params: Params, experiment: str, rounds: int = 3,
+             progress: Callable[[str], None] = lambda line: None) -> tuple[str, list[Estimate]]:
+    """The platform it was measured on, and each algorithm's estimate from `rounds` timed rounds;
+    `progress` gets a line as each algorithm starts."""
     exp = params.experiment(experiment)
     seed, fed_cfg = exp.seeds[0], exp.federation
     data = built_partition(exp.dataset, params.datasets[exp.dataset], seed)
     evaluations = len(set(range(fed_cfg.eval_every, fed_cfg.rounds + 1, fed_cfg.eval_every)) | {fed_cfg.rounds})
     run, steps = exp.model_copy(update={"seed": seed}), InlineSteps(exp.engine.max_workers)
     out, platform = [], ""
-    for name in exp.algorithms:
+    for number, name in enumerate(exp.algorithms, 1):
+        progress(f"{experiment}: timing {name} ({number} of {len(exp.algorithms)}): a warm-up round, "
+                 f"{rounds} timed rounds and an evaluation")
         fed = Federation(run, build(name, exp.hyper[name]), data)
         platform = describe(fed.platform)
-        state = steps.round(fed, fed.initial_state(), 0)  # warm-up
-        start = time.perf_counter()
+        state, times = steps.round(fed, fed.initial_state(), 0), []  # a warm-up round first
         for round_idx in range(1, 1 + rounds):
+            start = time.perf_counter()
             state = steps.round(fed, state, round_idx)
-        round_s = (time.perf_counter() - start) / rounds
+            times.append(time.perf_counter() - start)
         start = time.perf_counter()
         fed.evaluate(state)
-        out.append(Estimate(name, round_s, time.perf_counter() - start, len(exp.seeds), fed_cfg.rounds, evaluations))
+        out.append(Estimate(name, tuple(times), time.perf_counter() - start, len(exp.seeds), fed_cfg.rounds, evaluations))
     return platform, out
 
 
@@ -76,11 +85,19 @@ def duration(seconds: float) -> str:
 
 
 def report(experiment: str, platform: str, estimates: list[Estimate]) -> str:
-    lines = [f"{experiment}: estimated on {platform} (one warm-up round, then timed rounds and one evaluation "
-             "per algorithm; stage start-up, checkpoints and MLflow not included)",
-             f"{'algorithm':<12} {'round':>9} {'evaluation':>11}  runs x (rounds + evaluations)  estimate"]
+    timed = len(estimates[0].round_s) if estimates else 0
+    lines = [f"{experiment}: estimated on {platform} (one warm-up round, then {timed} timed rounds, the fastest "
+             "and slowest giving the range, and one evaluation per algorithm; stage start-up, checkpoints and "
+             "MLflow not included)",
+             f"{'algorithm':<12} {'round':>15} {'evaluation':>11}  runs x (rounds + evaluations)  {'estimate':>17}"]
     for e in estimates:
-        lines.append(f"{e.algorithm:<12} {e.round_s:>8.2f}s {e.evaluation_s:>10.2f}s  "
-                     f"{e.runs} x ({e.rounds} + {e.evaluations}){'':>14}{duration(e.total_s):>9}")
-    lines.append(f"{'total':<12} {duration(sum(e.total_s for e in estimates)):>62}")
+        low, high = e.range_s
+        lines.append(f"{e.algorithm:<12} {min(e.round_s):>6.2f}-{max(e.round_s):.2f}s {e.evaluation_s:>10.2f}s  "
+                     f"{e.runs} x ({e.rounds} + {e.evaluations}){'':>14}{span(low, high):>17}")
+    low, high = (sum(e.range_s[i] for e in estimates) for i in (0, 1))
+    lines.append(f"{'total':<12} {span(low, high):>74}")
     return "\n".join(lines)
+
+
+def span(low: float, high: float) -> str:
+    return f"{duration(low)} - {duration(high)}"

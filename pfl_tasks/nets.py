@@ -109,12 +109,15 @@ def stackable(net: nn.Module) -> bool:
 
 
 def stacked_forward(net: nn.Sequential, params: dict[str, torch.Tensor], x: torch.Tensor,
-                    start: int = 0, stop: int | None = None) -> torch.Tensor:
+                    start: int = 0, stop: int | None = None, saved: list | None = None) -> torch.Tensor:
     """A stackable net's outputs for K clients at once, each with its own parameters:
     `params` [K, ...] and `x` [K, B, ...] give [K, B, outputs], by batched matmuls (ordinary
     autograd then gives each client's gradient in its own slice, without vmap). With `start`
-    and `stop`, only the modules net[start:stop]."""
+    and `stop`, only the modules net[start:stop]. `saved`, if given, receives what
+    `stacked_backward` needs: each module's index with its input (Linear, Flatten) or output (ReLU)."""
     for i, module in enumerate(net[start:stop], start):
+        if saved is not None:
+            saved.append((i, x))
         if isinstance(module, nn.Flatten):
             x = x.flatten(2)
         elif isinstance(module, nn.Linear):
@@ -122,7 +125,35 @@ def stacked_forward(net: nn.Sequential, params: dict[str, torch.Tensor], x: torc
             x = torch.bmm(x, weight) if bias is None else torch.baddbmm(bias.unsqueeze(1), x, weight)
         else:
             x = torch.relu(x)
+            if saved is not None:
+                saved[-1] = (i, x)
     return x
+
+
+def stacked_backward(net: nn.Sequential, params: dict[str, torch.Tensor], saved: list,
+                     d_out: torch.Tensor, grads: dict[str, torch.Tensor]) -> None:
+    """Backpropagation by hand through `stacked_forward(..., saved=saved)`: writes into `grads`
+    (buffers [K, ...] in the parameters' layout, one per parameter wanted) each client's
+    gradient of sum_b <d_out[k, b], outputs[k, b]>, and stops at the first module they need.
+    Autograd's twin, minus its graph and its transposed weight gradients: each matmul writes
+    where the optimizer reads. `d_out` is overwritten."""
+    first = min(int(name.split(".", 1)[0]) for name in grads)
+    d = d_out
+    for i, kept in reversed(saved):
+        module = net[i]
+        if isinstance(module, nn.ReLU):
+            d = d.mul_(kept > 0)
+        elif isinstance(module, nn.Flatten):
+            d = d.view(kept.shape)
+        else:
+            if f"{i}.weight" in grads:
+                torch.bmm(d.transpose(1, 2), kept, out=grads[f"{i}.weight"])
+            if f"{i}.bias" in grads:
+                torch.sum(d, 1, out=grads[f"{i}.bias"])
+            if i > first:
+                d = torch.bmm(d, params[f"{i}.weight"])
+        if i <= first:
+            return
 
 
 def frozen_prefix(params, trainable: set[str]) -> int:

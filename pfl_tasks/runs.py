@@ -119,6 +119,11 @@ def checkpoint_problem(ckpt: dict, identity: dict, total: int) -> tuple[str | No
     return problem, unresumable
 
 
+# MLflow gets a run's records in batches, at most this often between checkpoints (a store call
+# costs about as much as a small round; what it has not had yet is in the next checkpoint)
+LOG_EVERY_S = 2.0
+
+
 class Run:
     def __init__(self, paths: RunPaths, identity: dict, tracking: TrackingConfig, seed: int, *,
                  total: int, unit: str, on_config_change: str = "refuse"):
@@ -132,7 +137,7 @@ class Run:
         self.done = 0  # steps completed
         self.bar = None
         self.summary = ""  # the latest `note`
-        self.started = time.monotonic()
+        self.started = self._logged_at = time.monotonic()
         self._consistent = True
         self._stop: int | None = None
         self._lock = OutputLock(paths.lock, self.label)
@@ -248,7 +253,8 @@ class Run:
         stop)` changes the state (no failure checkpoint meanwhile) and returns (step, problem) when
         the state stopped being finite at `step`; then `save(path, stop, snapshot())` at the
         multiples of `checkpoint_every` and at `total`, MLflow gets the `history` records it has
-        not had (after the checkpoint), and the progress bar and log the span's `summary(stop)`,
+        not had (after the checkpoint; batched, at most every LOG_EVERY_S seconds between
+        checkpoints), and the progress bar and log the span's `summary(stop)`,
         if any. The (step, problem) of a diverged run, for `diverged`; None when every step ran."""
         for first, stop in self.spans(start, every):
             with self.mutating():
@@ -256,9 +262,11 @@ class Run:
             if problem is not None:  # the state is not finite: no failure checkpoint over the last good one
                 self._consistent = False
                 return problem
-            if stop % checkpoint_every == 0 or stop == self.total:
+            checkpointed = stop % checkpoint_every == 0 or stop == self.total
+            if checkpointed:
                 save(self.paths.checkpoint, stop, self.snapshot())
-            self.log(history)
+            if checkpointed or time.monotonic() - self._logged_at >= LOG_EVERY_S:
+                self.log(history)
             line = summary(stop)
             if line is not None:
                 self.note(line, at=stop)
@@ -284,6 +292,7 @@ class Run:
         """Send MLflow the records it has not had yet (after any checkpoint due: a rerun then
         finds them in the checkpoint)."""
         self.tracker.log_records([r for r in history if r[self.unit] > self.logged_through], self.unit)
+        self._logged_at = time.monotonic()
         if history:
             self.logged_through = max(self.logged_through, history[-1][self.unit])
 

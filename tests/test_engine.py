@@ -177,7 +177,7 @@ def test_the_stacked_step_equals_vmap_grad(digits6, monkeypatch, form):
     start = perturbed_start(digits6)
     anchor = tree_map(lambda t: t.flip(0), start)  # another client's model
     fit_args = {"data": {}, "proximal": {"objective": proximal(0.5), "aux": anchor},
-                "feddyn": {"objective": FedDyn(FedDyn.Hyper(alpha=0.1)).objective,
+                "feddyn": {"objective": FedDyn(FedDyn.Hyper(alpha=0.1)).objective(),
                            "aux": {"anchor": anchor, "grad": tree_map(lambda t: 0.1 * t, start)}},
                 "unmarked": {"objective": lambda *args: proximal(0.5)(*args), "aux": anchor},
                 "frozen body": {"trainable": {"3.weight", "3.bias"}}}[form]
@@ -216,16 +216,112 @@ def test_a_cnn_keeps_the_vmapped_step_and_equals_the_sequential_reference(digits
 def test_a_clientwise_scan_step_runs_on_the_whole_stack_and_equals_the_reference(digits6, monkeypatch,
                                                                                  algorithm, optimizer):
     """pFedMe's and pFedMac's steps (nested gradient solves) run once on the MLP's whole stack,
-    by autograd (`stacked_grad`), and give the sequential reference's models, with per-client
-    Adam step counts too."""
+    their data gradients backpropagated by hand (`stacked_backward`), and give the sequential
+    reference's models, with per-client Adam step counts too."""
     from pfl_tasks.engine import executor
 
     calls = []
-    stacked_grad = executor.stacked_grad
-    monkeypatch.setattr(executor, "stacked_grad", lambda fn: calls.append(1) or stacked_grad(fn))
+    stacked_backward = executor.stacked_backward
+    monkeypatch.setattr(executor, "stacked_backward", lambda *a: calls.append(1) or stacked_backward(*a))
     local = {"epochs": 1, "optimizer": optimizer}
     fed, vec = run(digits6, algorithm, "vectorized", local=local)
     _, seq = run(digits6, algorithm, "sequential", local=local)
     assert calls  # the stacked form ran
     for view in (fed.algorithm.personalized, lambda s, c: (fed.algorithm.global_model(s, c), False)):
         assert_trees_close(view(vec.server, vec.clients)[0], view(seq.server, seq.clients)[0])
+
+
+@pytest.mark.parametrize("trainable", ["all", "head", "body"])
+@pytest.mark.parametrize("task", ["classification", "regression"])
+def test_backpropagation_by_hand_equals_autograd(trainable, task):
+    """`stacked_backward` gives each client the gradient autograd gives it, for a two-hidden-layer
+    MLP over image-shaped inputs (Flatten first), for every parameter or only some of them, and
+    writes nothing else."""
+    from pfl_tasks.engine.executor import VectorizedTrainer
+    from pfl_tasks.engine.state import replicate
+    from pfl_tasks.nets import build_net, head_keys, init_params, stacked_backward, stacked_forward
+    from pfl_tasks.config import MLPNet
+
+    k, b, outputs = 3, 5, 4 if task == "classification" else 1
+    net = build_net(MLPNet(kind="mlp", hidden=[6, 5]), (1, 3, 3), outputs)
+    gen = torch.Generator().manual_seed(0)
+    params = {n: v + 0.1 * torch.randn(v.shape, generator=gen) for n, v in replicate(init_params(net, 0), k).items()}
+    x = torch.randn(k, b, 1, 3, 3, generator=gen)
+    y = torch.randint(outputs, (k, b), generator=gen) if task == "classification" else torch.randn(k, b, generator=gen)
+    mask = torch.ones(k, b)
+    mask[0, 3:] = 0  # a client with fewer real rows
+    names = {"all": set(params), "head": head_keys(params), "body": set(params) - head_keys(params)}[trainable]
+
+    leaves = {n: v.clone().requires_grad_() for n, v in params.items()}
+    out = stacked_forward(net, leaves, x)
+    losses = per_sample(task, out, y)
+    ((losses * mask).sum(1) / mask.sum(1)).sum().backward()
+
+    trainer = VectorizedTrainer.__new__(VectorizedTrainer)
+    trainer.task = task
+    saved, grads = [], {n: torch.full_like(params[n], float("nan")) for n in names}
+    out = stacked_forward(net, params, x, saved=saved)
+    stacked_backward(net, params, saved, trainer._loss_gradient(out, y, mask), grads)
+    assert set(grads) == names
+    for n in names:
+        torch.testing.assert_close(grads[n], leaves[n].grad, atol=1e-6, rtol=1e-5)
+
+
+def per_sample(task, out, y):
+    from pfl_tasks.engine.executor import per_sample_loss
+
+    return per_sample_loss(task, out.flatten(0, 1), y.flatten()).view(y.shape)
+
+
+def penalized_objectives():
+    from pfl_tasks.algorithms.base import proximal
+    from pfl_tasks.algorithms.feddyn import FedDyn
+
+    return {"proximal": (proximal(0.3), lambda anchor, other: anchor),
+            "feddyn": (FedDyn(FedDyn.Hyper(alpha=0.2)).objective(), lambda anchor, other: {"anchor": anchor, "grad": other})}
+
+
+@pytest.mark.parametrize("form", ["proximal", "feddyn"])
+def test_a_penalty_gradient_is_the_gradient_of_its_objective_beyond_the_data_loss(form):
+    """What the vectorized executor adds to the data loss's gradient by hand is autograd's
+    gradient of the objective less its data loss: a dropped term or a flipped sign fails."""
+    objective, aux_of = penalized_objectives()[form]
+    gen = torch.Generator().manual_seed(0)
+    params, anchor, other = ({"w": torch.randn(2, 4, 3, generator=gen), "b": torch.randn(2, 4, generator=gen)}
+                             for _ in range(3))
+    aux = aux_of(anchor, other)
+    leaves = {n: v.clone().requires_grad_() for n, v in params.items()}
+    objective(lambda p: sum((v ** 3).sum() for v in p.values()), leaves, aux).backward()
+    grads = {n: 3 * v ** 2 for n, v in params.items()}  # the data loss's own
+    objective.penalty_gradient(grads, params, aux)
+    for n in params:
+        torch.testing.assert_close(grads[n], leaves[n].grad)
+        assert (grads[n] - 3 * params[n] ** 2).abs().max() > 1e-3  # the penalty counts
+
+
+def test_one_shared_model_is_evaluated_unpadded_as_the_same_model_per_client(digits6):
+    """A shared model's evaluation (every client's rows, unpadded) gives each client exactly
+    the numbers its own copy gives in the padded per-client path."""
+    from pfl_tasks.engine.evaluate import evaluate_clients
+    from pfl_tasks.engine.state import replicate
+
+    fed = tiny_federation(digits6, "fedavg")
+    params = fed.initial_state().server["global"]
+    ids = torch.tensor([4, 0, 2])
+    shared = evaluate_clients(fed.fresh_net(), "classification", fed.splits["test"], ids, params, False)
+    copies = evaluate_clients(fed.fresh_net(), "classification", fed.splits["test"], ids, replicate(params, 3), True)
+    assert shared["n"].tolist() == digits6.test.counts[ids].float().tolist()
+    for metric in ("loss", "acc"):
+        torch.testing.assert_close(shared[metric], copies[metric])
+
+
+def test_apfl_with_a_decaying_step_size_per_client_equals_the_reference(digits6):
+    """APFL's clientwise step on the whole stack, where each client's step count sets its own
+    lr (decay_mu), gives the sequential reference's models."""
+    hp = {"decay_mu": 1.0}
+    fed, vec = run(digits6, "apfl", "vectorized", hp=hp, local={"epochs": 1})
+    _, seq = run(digits6, "apfl", "sequential", hp=hp, local={"epochs": 1})
+    assert_trees_close(fed.algorithm.personalized(vec.server, vec.clients)[0],
+                       fed.algorithm.personalized(seq.server, seq.clients)[0])
+    torch.testing.assert_close(vec.clients["alpha"], seq.clients["alpha"], atol=1e-5, rtol=1e-4)
+    assert vec.clients["alpha"].std() > 0  # each client its own alpha

@@ -27,12 +27,12 @@ from typing import Annotated
 
 import torch
 from pydantic import Field
-from torch.func import grad
 
 from pfl_tasks.algorithms.base import Algorithm, HyperParams
 from pfl_tasks.algorithms.registry import register
 from pfl_tasks.engine import optim
-from pfl_tasks.engine.state import broadcast, per_row, replicate
+from pfl_tasks.engine.executor import clientwise
+from pfl_tasks.engine.state import broadcast, per_row, replicate, row_sums
 
 
 class APFLHyper(HyperParams):
@@ -45,7 +45,8 @@ class APFLHyper(HyperParams):
 
 
 def mixture(alpha, v, theta):
-    return {k: alpha * v[k] + (1 - alpha) * theta[k] for k in v}
+    """a v + (1 - a) theta, a per client (a stack's [K], or one client's)."""
+    return {k: torch.lerp(theta[k], t, per_row(alpha, t)) for k, t in v.items()}
 
 
 @register
@@ -106,16 +107,18 @@ class APFL(Algorithm):
                      "seen_weight": payload["weight_sum"].expand(k).clone(),
                      "seen_global": {n: v.expand(k, *v.shape).clone() for n, v in payload["global_sum"].items()}}
 
+        @clientwise  # per-client values (alpha, step counts) act on their own rows: per_row, row_sums
         def step(carry, data_loss, aux, batch):
             theta, v, alpha = carry["theta"], carry["local"], carry["alpha"]
             eta = self.step_size(cfg.lr, carry["steps_done"], local.steps or local.epochs)
-            g_mix = grad(data_loss)(mixture(alpha, v, theta))
-            g_theta = grad(data_loss)(theta)
+            g_mix = batch.data_grad(mixture(alpha, v, theta))
+            g_theta = batch.data_grad(theta)
             if hp.adaptive_alpha:
-                inner = sum(((v[k] - theta[k]) * g_mix[k]).sum() for k in v)
+                inner = sum(row_sums((v[k] - theta[k]) * g_mix[k], alpha) for k in v)
                 alpha = torch.clamp(alpha - alpha_lr * inner, 0.0, 1.0)
             theta, opt_theta = optim.apply(cfg, theta, g_theta, carry["opt_theta"], eta)
-            v, opt_local = optim.apply(cfg, v, {k: carry["alpha"] * g_mix[k] for k in v}, carry["opt_local"], eta)
+            v, opt_local = optim.apply(cfg, v, {k: per_row(carry["alpha"], g) * g for k, g in g_mix.items()},
+                                       carry["opt_local"], eta)
             return {"theta": theta, "local": v, "alpha": alpha, "steps_done": carry["steps_done"] + 1,
                     "opt_theta": opt_theta, "opt_local": opt_local}
 
@@ -142,11 +145,7 @@ class APFL(Algorithm):
             total = self.catch_up(state, server["weight_sum"], server["global_sum"])
             return {k: v / server["weight_sum"] for k, v in total.items()}, True
 
-        def mix(v, theta):
-            alpha = per_row(state["alpha"], v)
-            return alpha * v + (1 - alpha) * theta
-
-        return {k: mix(v, server["global"][k]) for k, v in state["local"].items()}, True
+        return mixture(state["alpha"], state["local"], server["global"]), True
 
     def global_model(self, server, clients):
         if self.hp.average_iterates:

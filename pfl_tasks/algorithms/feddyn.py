@@ -18,7 +18,7 @@ from pydantic import Field
 
 from pfl_tasks.algorithms.base import Algorithm, HyperParams
 from pfl_tasks.algorithms.registry import register
-from pfl_tasks.engine.executor import clientwise
+from pfl_tasks.engine.executor import penalized
 from pfl_tasks.engine.state import broadcast, replicate, tree_zip
 
 
@@ -39,15 +39,25 @@ class FedDyn(Algorithm):
     def init_clients(self, params, n_clients):
         return {"grad": replicate({k: torch.zeros_like(v) for k, v in params.items()}, n_clients)}
 
-    @clientwise
-    def objective(self, data_loss, params, aux):
-        linear = sum((aux["grad"][k] * params[k]).sum() for k in params)
-        prox = sum(((params[k] - aux["anchor"][k]) ** 2).sum() for k in params)
-        return data_loss(params) - linear + 0.5 * self.hp.alpha * prox
+    def objective(self):
+        """f_k(theta) - <grad_k, theta> + alpha/2 ||theta - anchor||^2 (the paper's local problem)."""
+        alpha = self.hp.alpha
+
+        def gradient(grads, params, aux):  # -grad_k + alpha (theta - anchor)
+            for k, g in grads.items():
+                g.sub_(aux["grad"][k]).add_(params[k] - aux["anchor"][k], alpha=alpha)
+
+        @penalized(gradient)
+        def objective(data_loss, params, aux):
+            linear = sum((aux["grad"][k] * params[k]).sum() for k in params)
+            prox = sum(((params[k] - aux["anchor"][k]) ** 2).sum() for k in params)
+            return data_loss(params) - linear + 0.5 * alpha * prox
+
+        return objective
 
     def client_update(self, trainer, payload, state):
         anchor = broadcast(payload["global"], trainer.n_clients)
-        theta = trainer.fit(anchor, self.objective, aux={"anchor": anchor, "grad": state["grad"]})
+        theta = trainer.fit(anchor, self.objective(), aux={"anchor": anchor, "grad": state["grad"]})
         grad = tree_zip(lambda g, t, a: g - self.hp.alpha * (t - a), state["grad"], theta, anchor)
         return {"params": theta}, {"grad": grad}
 

@@ -48,7 +48,8 @@ class PFedMacHyper(HyperParams):
 
 
 def soft_threshold(x: torch.Tensor, tau: float) -> torch.Tensor:
-    return torch.sign(x) * torch.clamp(x.abs() - tau, min=0)
+    """sign(x) max(|x| - tau, 0)."""
+    return x - x.clamp(-tau, tau)
 
 
 @register
@@ -64,17 +65,12 @@ class PFedMac(PFedMe):
 
         @clientwise
         def step(carry, data_loss, aux, batch):
-            theta, omega = carry["theta"], carry["personal"]
-
-            def correlation_objective(w):
-                return data_loss(w) - hp.lam * sum((w[k] * theta[k]).sum() for k in w)
-
-            for _ in range(hp.inner_steps):
-                g = batch.grad(correlation_objective)(omega)
-                omega = {
-                    k: soft_threshold(omega[k] - hp.personal_lr * g[k], hp.personal_lr * hp.gamma)
-                    for k in omega
-                }
+            theta, omega, lr = carry["theta"], dict(carry["personal"]), hp.personal_lr
+            for _ in range(hp.inner_steps):  # proximal gradient on f_k(omega) - lam <omega, theta>
+                g = batch.data_grad(omega)
+                for k in omega:  # g is ours to overwrite: omega - lr (g - lam theta), then the l1 prox
+                    moved = torch.add(omega[k], g[k].sub_(theta[k], alpha=hp.lam), alpha=-lr)
+                    omega[k] = soft_threshold(moved, lr * hp.gamma)
             pull = {k: hp.lam * (theta[k] - omega[k]) for k in theta}
             theta, opt = optim.apply(cfg, theta, pull, carry["opt"])
             return {"theta": theta, "personal": omega, "opt": opt}

@@ -22,7 +22,7 @@ from typing import Annotated
 
 from pydantic import Field
 
-from pfl_tasks.algorithms.base import Algorithm, HyperParams, PersonalModels, proximal
+from pfl_tasks.algorithms.base import Algorithm, HyperParams, PersonalModels
 from pfl_tasks.algorithms.registry import register
 from pfl_tasks.engine import optim
 from pfl_tasks.engine.executor import clientwise
@@ -49,14 +49,14 @@ class PFedMe(PersonalModels, Algorithm):
 
     def client_update(self, trainer, payload, state):
         hp, cfg = self.hp, trainer.local.optimizer
-        prox = proximal(hp.lam)
 
         @clientwise
         def step(carry, data_loss, aux, batch):
-            omega, theta = carry["omega"], carry["personal"]
-            for _ in range(hp.inner_steps):
-                g = batch.grad(lambda p: prox(data_loss, p, omega))(theta)
-                theta = {k: theta[k] - hp.personal_lr * g[k] for k in theta}
+            omega, theta = carry["omega"], {k: v.clone() for k, v in carry["personal"].items()}
+            for _ in range(hp.inner_steps):  # gradient steps on f_k(theta) + lam/2 ||theta - omega||^2, in place
+                g = batch.data_grad(theta)
+                for k, t in theta.items():
+                    t.add_(g[k].add_(t - omega[k], alpha=hp.lam), alpha=-hp.personal_lr)
             envelope_grad = {k: hp.lam * (omega[k] - theta[k]) for k in omega}
             omega, opt = optim.apply(cfg, omega, envelope_grad, carry["opt"])
             return {"omega": omega, "personal": theta, "opt": opt}

@@ -11,7 +11,7 @@ from torch import nn
 from torch.func import functional_call, vmap
 
 from pfl_tasks.data import ClientSplit
-from pfl_tasks.engine.executor import per_sample_loss
+from pfl_tasks.engine.executor import per_sample_loss, take
 from pfl_tasks.engine.state import Tree, to_device, to_host
 
 SAMPLE_BLOCK = 512  # test rows per client per forward pass: bounds memory for big clients
@@ -28,28 +28,41 @@ def evaluate_clients(
     holds its samples on the device, its offsets and counts (and `client_ids`) on the host."""
     device = test.x.device
     client_ids = client_ids.cpu()
-    longest = int(test.counts[client_ids].max())
-    offsets, counts = to_device({"o": test.offsets[client_ids], "n": test.counts[client_ids]}, device).values()
-    k = len(client_ids)
+    k, host_counts = len(client_ids), test.counts[client_ids]
+    offsets, counts = to_device({"o": test.offsets[client_ids], "n": host_counts}, device).values()
     loss_sum = torch.zeros(k, device=device)
     correct = torch.zeros(k, device=device)
 
     def client_outputs(p, x):
         return forward(net, p, x) if forward else functional_call(net, p, (x,))
 
-    batched = vmap(client_outputs, in_dims=(0 if stacked else None, 0))
-    for start in range(0, longest, SAMPLE_BLOCK):
-        pos = torch.arange(start, start + SAMPLE_BLOCK, device=device)[None, :]
-        width = min(SAMPLE_BLOCK, longest - start)
-        pos = pos[:, :width]
-        valid = pos < counts[:, None]
-        rows = torch.where(valid, offsets[:, None] + pos, offsets[:, None])
-        x, y = test.x[rows], test.y[rows]
-        out = batched(params, x)
-        losses = per_sample_loss(task, out.flatten(0, 1), y.flatten()).view(k, width)
-        loss_sum += torch.where(valid, losses, 0).sum(1)  # padding's infinite loss would be NaN times 0
-        if task == "classification":
-            correct += ((out.argmax(-1) == y) & valid).sum(1)
+    def add(owner: torch.Tensor, out: torch.Tensor, y: torch.Tensor, valid: torch.Tensor | None = None) -> None:
+        losses = per_sample_loss(task, out, y)
+        hits = out.argmax(-1) == y if task == "classification" else None
+        if valid is not None:  # padding's infinite loss would be NaN times 0
+            losses, hits = torch.where(valid, losses, 0), None if hits is None else hits & valid
+        loss_sum.index_add_(0, owner, losses)
+        if hits is not None:
+            correct.index_add_(0, owner, hits.to(correct.dtype))
+
+    if not stacked:  # one model: every client's rows, unpadded, SAMPLE_BLOCK x K at a time
+        owner = torch.repeat_interleave(torch.arange(k), host_counts)
+        first = torch.cumsum(host_counts, 0) - host_counts
+        up = to_device({"rows": test.offsets[client_ids][owner] + torch.arange(len(owner)) - first[owner],
+                        "owner": owner}, device)
+        for block in torch.arange(len(owner), device=device).split(SAMPLE_BLOCK * k):
+            rows = up["rows"][block]
+            add(up["owner"][block], client_outputs(params, take(test.x, rows)), take(test.y, rows))
+    else:  # a model per client: their rows padded to the longest, SAMPLE_BLOCK at a time
+        batched, owner = vmap(client_outputs), torch.arange(k, device=device)[:, None]
+        longest = int(host_counts.max())
+        for start in range(0, longest, SAMPLE_BLOCK):
+            width = min(SAMPLE_BLOCK, longest - start)
+            pos = torch.arange(start, start + width, device=device)[None, :]
+            valid = pos < counts[:, None]
+            rows = torch.where(valid, offsets[:, None] + pos, offsets[:, None])
+            out = batched(params, take(test.x, rows))
+            add(owner.expand(k, width).flatten(), out.flatten(0, 1), take(test.y, rows).flatten(), valid.flatten())
     n = counts.to(loss_sum.dtype)
     if task == "classification":
         return to_host({"n": n, "loss": loss_sum / n, "acc": correct / n})

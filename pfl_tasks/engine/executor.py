@@ -28,7 +28,7 @@ from pfl_tasks.data import ClientSplit
 from pfl_tasks.engine import optim
 from pfl_tasks.engine.state import Params, Stack, Tree, to_device, tree_map, tree_zip
 from pfl_tasks.engine.streams import STREAMS, Stream
-from pfl_tasks.nets import frozen_prefix, stackable, stacked_forward
+from pfl_tasks.nets import frozen_prefix, stackable, stacked_backward, stacked_forward
 
 DataLoss = Callable[[Params], torch.Tensor]
 Objective = Callable[[DataLoss, Params, Tree], torch.Tensor]
@@ -37,30 +37,18 @@ Step = Callable[[Tree, DataLoss, Tree, "Batch"], Tree]
 
 @dataclass(frozen=True)
 class Batch:
-    """One client's minibatch inside a `scan` step: `weight` sums to 1 over real rows (0 on
-    padding), `extra` holds this step's slice of the `per_step` tensors. A step that does not
-    go through `data_loss` calls `record_pass()` once per forward-backward pass over the batch,
-    for the compute accounting. `grad` is `torch.func.grad`'s contract (`grad(fn)(params)`);
-    a `clientwise` step on a whole stack gets autograd's version of it (`stacked_grad`)."""
+    """One client's minibatch inside a `scan` step (a whole stack's, in a `clientwise` step):
+    `weight` sums to 1 over real rows (0 on padding), `extra` holds this step's slice of the
+    `per_step` tensors. `data_grad(params)` is the gradient of the data loss on this batch at
+    `params` (fresh tensors, the caller's to overwrite), one forward-backward pass counted; a step that takes gradients otherwise calls
+    `record_pass()` once per pass over the batch, for the compute accounting."""
 
     x: torch.Tensor
     y: torch.Tensor
     weight: torch.Tensor
     extra: Tree
     record_pass: Callable[[], None]
-    grad: Callable = grad
-
-
-def stacked_grad(fn: Callable[[Params], torch.Tensor]) -> Callable[[Params], Params]:
-    """`torch.func.grad(fn)` for a clientwise `fn` of a whole stack, by ordinary autograd: the
-    gradient of the sum of the clients' values, each client's in its own slice."""
-
-    def grad_of(params: Params) -> Params:
-        with torch.enable_grad():
-            leaves = {k: v.detach().requires_grad_() for k, v in params.items()}
-            return dict(zip(leaves, torch.autograd.grad(fn(leaves), list(leaves.values()))))
-
-    return grad_of
+    data_grad: Callable[[Params], Params]
 
 
 def clientwise(fn):
@@ -69,9 +57,23 @@ def clientwise(fn):
     gradient (a proximal term, say, and not one that multiplies a client's matrices): called
     once on a whole stack, it gives every client what it gives that client alone. The
     vectorized executor calls such a function once on a stackable net's whole stack
-    (`stacked_forward`, `stacked_grad`), where anything else is vmapped client by client."""
+    (`stacked_forward`, `stacked_backward`), where anything else is vmapped client by client."""
     fn.clientwise = True
     return fn
+
+
+def penalized(gradient: Callable[[Params, Params, Tree], None]):
+    """Marks a clientwise objective `data_loss(params) + R(params, aux)` with R's gradient:
+    `gradient(grads, params, aux)` adds dR/dparams[k] to `grads[k]`, in place, for each key of
+    `grads` (a stack's rows, or one client's). On a stackable net the vectorized executor then
+    backpropagates the data loss by hand, builds no autograd graph and adds this; everywhere
+    else the objective runs as written. Tests hold the two together for every marked objective."""
+
+    def mark(objective):
+        objective.penalty_gradient = gradient
+        return clientwise(objective)
+
+    return mark
 
 
 @clientwise
@@ -240,9 +242,9 @@ class VectorizedTrainer(LocalTrainer):
         local = local or self.local
         order, plans = self._plan(self.schedule(stream, local))
         keys = trainable if trainable is not None else set(params)
-        params, aux = order.arrange(params), order.arrange(aux or {})
-        train = {k: v.clone() for k, v in params.items() if k in keys}
-        frozen = {k: v for k, v in params.items() if k not in keys}
+        train = order.copy({k: v for k, v in params.items() if k in keys})
+        frozen = order.arrange({k: v for k, v in params.items() if k not in keys})
+        aux = order.arrange(aux or {})
 
         def client_objective(train_p, frozen_p, x, y, mask, aux_k):
             def data_loss(p):
@@ -257,7 +259,7 @@ class VectorizedTrainer(LocalTrainer):
             start = frozen_prefix(params, keys)
             if start:
                 inputs = self._frozen_features(start, frozen, order)
-            grads_of = self._stacked_grads(objective, start)
+            grads_of = self._stacked_grads(objective, start, train)
         else:
             grads_of = vmap(grad(client_objective))
         opt_state = optim.init_state(local.optimizer, train)
@@ -265,8 +267,8 @@ class VectorizedTrainer(LocalTrainer):
             x, y = inputs(plan), take(self._train.y, plan.rows)
             g = grads_of(*_first(plan.width, train, frozen), x, y, plan.mask, _first(plan.width, aux)[0])
             self._count_step(plan.samples)
-            new, new_state = optim.step(local.optimizer, *_first(plan.width, train, g, opt_state), s)
-            train, opt_state = _update_first(train, new), _update_first(opt_state, new_state)
+            # the clients still within their budget are a prefix: their rows step in place
+            optim.step_(local.optimizer, *_first(plan.width, train, g, opt_state), s)
         return order.restore({**frozen, **train})
 
     def _samples(self, plan: StepPlan) -> torch.Tensor:
@@ -289,12 +291,29 @@ class VectorizedTrainer(LocalTrainer):
 
         return inputs
 
-    def _stacked_grads(self, objective: Objective, start: int = 0):
+    def _stacked_grads(self, objective: Objective, start: int, train: Stack):
         """`vmap(grad(client objective))` for a stackable net, computed more cheaply: one
-        batched forward of the whole stack (`stacked_forward`, from module `start` on) and
-        ordinary autograd on the sum of the clients' objectives, which gives each client's
-        gradient in its own slice. A `clientwise` objective is called once on the stack; any
-        other is vmapped around each client's data loss."""
+        batched forward of the whole stack (`stacked_forward`, from module `start` on). The data
+        loss of a `penalized` objective (plain data loss included) is backpropagated by hand
+        into buffers shaped like `train`, and its penalty's gradient added; any other objective
+        gets ordinary autograd on the sum of the clients' objectives, which gives each client's
+        gradient in its own slice (a `clientwise` objective called once on the stack, any other
+        vmapped around each client's data loss)."""
+        penalty = None if objective is data_objective else getattr(objective, "penalty_gradient", None)
+        if objective is data_objective or penalty is not None:
+            buffers = {k: torch.empty_like(v) for k, v in train.items()}
+
+            def by_hand(train_p, frozen_p, x, y, mask, aux):
+                params, saved = {**frozen_p, **train_p}, []
+                self._record_pass()
+                out = stacked_forward(self.net, params, x, start, saved=saved)
+                grads = {k: v[: len(x)] for k, v in buffers.items()}
+                stacked_backward(self.net, params, saved, self._loss_gradient(out, y, mask), grads)
+                if penalty is not None:
+                    penalty(grads, params, aux)
+                return grads
+
+            return by_hand
 
         def grads_of(train_p, frozen_p, x, y, mask, aux):
             train_p = {k: v.detach().requires_grad_() for k, v in train_p.items()}
@@ -320,11 +339,23 @@ class VectorizedTrainer(LocalTrainer):
 
         return grads_of
 
+    def _loss_gradient(self, out: torch.Tensor, y: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """d(sum over clients of each client's mean loss on its real batch rows) / d outputs,
+        for outputs [K, B, C]: (softmax - one-hot) or 2 (prediction - target), times each row's
+        weight, mask / its client's real rows."""
+        weight = (mask / mask.sum(1, keepdim=True)).unsqueeze(-1)
+        if self.task == "classification":
+            d = torch.softmax(out, -1)
+            d.scatter_add_(-1, y.unsqueeze(-1), weight.new_full((1, 1, 1), -1.0).expand(*y.shape, 1))
+        else:
+            d = 2 * (out - y.unsqueeze(-1))
+        return d.mul_(weight)
+
     def scan(self, carry, step, aux=None, stream=None, local=None, per_step=None):
         sched = self.schedule(stream, local or self.local)
         order, plans = self._plan(sched)
         per_step = order.arrange(to_device(per_step(*sched.index.shape[1:]) if per_step else {}, self.device))
-        carry, aux = order.arrange(carry), order.arrange(aux or {})
+        carry, aux = order.copy(carry), order.arrange(aux or {})
 
         def client_step(c, x, y, mask, a, extra):
             weight = mask / mask.sum()
@@ -333,7 +364,7 @@ class VectorizedTrainer(LocalTrainer):
                 self._record_pass()
                 return (self.net_loss(p, x, y) * weight).sum()
 
-            return step(c, data_loss, a, Batch(x, y, weight, extra, self._record_pass))
+            return step(c, data_loss, a, Batch(x, y, weight, extra, self._record_pass, grad(data_loss)))
 
         def stack_step(c, x, y, mask, a, extra):  # a clientwise step, on the whole stack at once
             weight = mask / mask.sum(1, keepdim=True)
@@ -343,7 +374,14 @@ class VectorizedTrainer(LocalTrainer):
                 out = stacked_forward(self.net, p, x).flatten(0, 1)
                 return (per_sample_loss(self.task, out, y.flatten()).view(mask.shape) * weight).sum()
 
-            return step(c, data_loss, a, Batch(x, y, weight, extra, self._record_pass, stacked_grad))
+            def data_grad(p):  # each client's, in its own rows, backpropagated by hand
+                self._record_pass()
+                saved, grads = [], {k: torch.empty_like(v, memory_format=torch.contiguous_format) for k, v in p.items()}
+                out = stacked_forward(self.net, p, x, saved=saved)
+                stacked_backward(self.net, p, saved, self._loss_gradient(out, y, mask), grads)
+                return grads
+
+            return step(c, data_loss, a, Batch(x, y, weight, extra, self._record_pass, data_grad))
 
         stepped = stack_step if stackable(self.net) and getattr(step, "clientwise", False) else vmap(client_step)
         for s, plan in enumerate(plans):
@@ -379,11 +417,20 @@ class BudgetOrder:
             self._inverse = torch.argsort(self._perm)
 
     def arrange(self, tree: Tree) -> Tree:
-        """Client rows in budget order (the tree itself when every budget is equal)."""
-        return tree if self.uniform else tree_map(lambda t: t[self._perm.to(t.device)], tree)
+        """Client rows in budget order, to read (the tree itself when every budget is equal;
+        a broadcast tensor, every row the same, as it is)."""
+        if self.uniform:
+            return tree
+        return tree_map(lambda t: t if t.stride(0) == 0 else t.index_select(0, self._perm.to(t.device)), tree)
+
+    def copy(self, tree: Tree) -> Tree:
+        """Client rows in budget order, in fresh contiguous memory to update in place."""
+        if self.uniform:
+            return tree_map(lambda t: t.clone(memory_format=torch.contiguous_format), tree)
+        return tree_map(lambda t: t.index_select(0, self._perm.to(t.device)), tree)
 
     def restore(self, tree: Tree) -> Tree:
-        return tree if self.uniform else tree_map(lambda t: t[self._inverse.to(t.device)], tree)
+        return tree if self.uniform else tree_map(lambda t: t.index_select(0, self._inverse.to(t.device)), tree)
 
 
 def _first(width: int, *trees: Tree) -> tuple[Tree, ...]:
@@ -392,11 +439,11 @@ def _first(width: int, *trees: Tree) -> tuple[Tree, ...]:
 
 
 def _update_first(tree: Tree, new: Tree) -> Tree:
-    """`tree` with its first rows replaced by `new` (its rows for the clients that stepped):
-    the rest, clients past their budget, keep their values."""
+    """`tree` with its first rows replaced by `new` (its rows for the clients that stepped),
+    in place when they are fewer: the rest, clients past their budget, keep their values."""
 
     def put(old: torch.Tensor, fresh: torch.Tensor) -> torch.Tensor:
-        return fresh if len(fresh) == len(old) else torch.cat([fresh, old[len(fresh):]])
+        return fresh if len(fresh) == len(old) else old.index_copy_(0, torch.arange(len(fresh), device=old.device), fresh)
 
     return tree_zip(put, tree, new)
 
@@ -435,7 +482,8 @@ class SequentialTrainer(LocalTrainer):
             for s, (x, y) in enumerate(batches(i)):
                 extra = tree_map(lambda t: t[i, s, : len(y)], per_step)
                 weight = torch.full((len(y),), 1 / len(y), device=x.device)
-                c = step(c, self._data_loss(x, y), a, Batch(x, y, weight, extra, self._recorder(len(y))))
+                data_loss = self._data_loss(x, y)
+                c = step(c, data_loss, a, Batch(x, y, weight, extra, self._recorder(len(y)), grad(data_loss)))
             rows.append(c)
         return tree_zip(lambda *ts: torch.stack(ts), *rows)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from pfl_tasks.config import OptimizerConfig
-from pfl_tasks.engine.state import Params
+from pfl_tasks.engine.state import Params, per_row
 
 
 def init_state(cfg: OptimizerConfig, params: Params) -> dict[str, Params]:
@@ -24,6 +24,47 @@ def init_state(cfg: OptimizerConfig, params: Params) -> dict[str, Params]:
     return {}
 
 
+def per_client(value, like: torch.Tensor):
+    """A step count or lr: a number, or a tensor (each client's [K] on a whole stack, shaped
+    to broadcast against its rows of `like`)."""
+    if isinstance(value, torch.Tensor) and value.dim() == 1:
+        return per_row(value, like)
+    return value
+
+
+def step_(
+    cfg: OptimizerConfig,
+    params: Params,
+    grads: Params,
+    state: dict[str, Params],
+    step_index: int | torch.Tensor,
+    lr: float | torch.Tensor | None = None,
+) -> None:
+    """One optimizer step (`step_index` counts from 0) for every client, at `lr` (default: the
+    configured one; a tensor for step-size schedules), updating `params` and `state` in place:
+    no step allocates a model-sized tensor (each costs page faults on the CPU) unless weight
+    decay or a tensor `lr` asks for one."""
+    for name, p in params.items():
+        g, rate = grads[name], cfg.lr if lr is None else per_client(lr, p)
+        if cfg.weight_decay:
+            g = g.add(p, alpha=cfg.weight_decay)
+        if cfg.name == "adam":
+            b1, b2 = cfg.betas
+            m, v = state["exp_avg"][name], state["exp_avg_sq"][name]
+            m.mul_(b1).add_(g, alpha=1 - b1)
+            v.mul_(b2).add_(g * g, alpha=1 - b2)
+            t = per_client(step_index + 1, p)
+            denom = (v.sqrt() / (1 - b2**t) ** 0.5) + cfg.eps
+            p.sub_((rate / (1 - b1**t)) * m / denom)
+        else:
+            if cfg.momentum:
+                g = state["momentum"][name].mul_(cfg.momentum).add_(g)
+            if isinstance(rate, torch.Tensor):
+                p.sub_(rate * g)
+            else:
+                p.add_(g, alpha=-rate)
+
+
 def step(
     cfg: OptimizerConfig,
     params: Params,
@@ -32,30 +73,12 @@ def step(
     step_index: int | torch.Tensor,
     lr: float | torch.Tensor | None = None,
 ) -> tuple[Params, dict[str, Params]]:
-    """One optimizer step (`step_index` counts from 0) for every client, at `lr` (default: the configured one; a tensor for step-size schedules)."""
-    lr = cfg.lr if lr is None else lr
-    new_params, new_state = {}, {key: {} for key in state}
-    for name, p in params.items():
-        g = grads[name]
-        if cfg.weight_decay:
-            g = g + cfg.weight_decay * p
-        if cfg.name == "adam":
-            b1, b2 = cfg.betas
-            m = b1 * state["exp_avg"][name] + (1 - b1) * g
-            v = b2 * state["exp_avg_sq"][name] + (1 - b2) * g * g
-            t = step_index + 1
-            if isinstance(t, torch.Tensor) and t.dim() == 1:  # each client's count, on a whole stack
-                t = t.reshape(-1, *([1] * (p.dim() - 1)))
-            denom = (v.sqrt() / (1 - b2**t) ** 0.5) + cfg.eps
-            update = (lr / (1 - b1**t)) * m / denom
-            new_state["exp_avg"][name], new_state["exp_avg_sq"][name] = m, v
-        else:
-            if cfg.momentum:
-                buf = cfg.momentum * state["momentum"][name] + g
-                new_state["momentum"][name] = g = buf
-            update = lr * g
-        new_params[name] = p - update
-    return new_params, new_state
+    """`step_` on copies: the new parameters and state, the given ones untouched (for steps
+    written as functions of their carry, which `vmap` traces)."""
+    params = {k: v.clone() for k, v in params.items()}
+    state = {key: {k: v.clone() for k, v in part.items()} for key, part in state.items()}
+    step_(cfg, params, grads, state, step_index, lr)
+    return params, state
 
 
 def start(cfg: OptimizerConfig, params: Params) -> dict:

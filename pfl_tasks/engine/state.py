@@ -102,6 +102,12 @@ def per_row(values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return values.reshape(-1, *([1] * (like.dim() - 1)))
 
 
+def row_sums(t: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """`t` summed within each client's row, shaped as the per-client `values`: [K] for a stack,
+    a scalar for one client (a step written for either: `clientwise`)."""
+    return t.reshape(*values.shape, -1).sum(-1)
+
+
 def leaves(tree: Tree, prefix: str = ""):
     """(dotted name, tensor) of every leaf."""
     for k, v in tree.items():
