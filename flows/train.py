@@ -32,6 +32,7 @@ from flows.stage import check_prefect_api, prefect_api, stage_main
 from pfl_tasks.algorithms import validate_params
 from pfl_tasks.config import EngineConfig, load_params
 from pfl_tasks.engine.checkpoint import save_checkpoint
+from pfl_tasks.engine.device import torch_threads, usable_cores
 from pfl_tasks.engine.federation import Federation
 from pfl_tasks.engine.state import gather
 from pfl_tasks.engine.steps import InlineSteps, Steps, play_rounds, run_round
@@ -252,6 +253,9 @@ def train_experiment(
         print(f"{experiment}: {len(runs) - len(todo)} of {len(runs)} runs already finished under the same "
               "config, data and code: kept")
     check_inputs(exp, todo, Path(root), on_config_change)
+    if todo:
+        print(f"{experiment}: {torch_threads(exp.engine)} torch thread(s) a process (engine.threads: "
+              f"{exp.engine.threads}; {usable_cores()} cores, {exp.engine.max_workers} chunk workers)")
     orchestrated = exp.engine.orchestrator == "prefect"
     if orchestrated and todo:
         check_prefect_api()

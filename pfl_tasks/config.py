@@ -280,6 +280,10 @@ class EngineConfig(Strict):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     orchestrator: Literal["prefect", "inline"] = "prefect"
     max_workers: PositiveInt = 2  # the thread task runner's (and inline orchestrator's) threads
+    # torch's intra-op threads per process; auto: the cores this process may use less one (the
+    # Prefect server's, the OS's), shared by max_workers chunks, at least 1: never more compute
+    # threads than cores (2 threads on a loaded 2-core machine ran small steps 10x slower than 1)
+    threads: PositiveInt | Literal["auto"] = "auto"
     task_runner: Literal["thread", "ray"] = "thread"  # ray: chunks run on Ray workers (pip install prefect-ray)
     ray_address: str | None = None  # join this Ray cluster ("auto" or host:port); None: a local Ray
     # steps: tasks sample_clients, local_update per chunk, aggregate. round: one task per round

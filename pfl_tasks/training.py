@@ -18,7 +18,7 @@ from pfl_tasks.config import ResolvedExperiment, TrackingConfig, config_hash
 from pfl_tasks.data import FederatedData, load_partition, partition_dir
 from pfl_tasks.data.store import read_manifest
 from pfl_tasks.engine.checkpoint import load_checkpoint
-from pfl_tasks.engine.device import describe, platform, resolve_device
+from pfl_tasks.engine.device import describe, platform, resolve_device, torch_threads
 from pfl_tasks.engine.federation import Federation, RunState
 from pfl_tasks.engine.steps import Steps
 from pfl_tasks.errors import CheckpointError, DataValidationError
@@ -135,7 +135,8 @@ def train_run(
                                      "algorithm": hyper_parameters(run_name, raw_hp)}),
                   {**run_tags(exp, data.task, data.partition, run_name, fed.algorithm.name, fed.algorithm.citation,
                               data.manifest_hash, identity["config_hash"], flow_run_id),
-                   **{f"platform.{key}": value for key, value in fed.platform.items()}, **tracking.tags})
+                   **{f"platform.{key}": value for key, value in fed.platform.items()},
+                   "engine.torch_threads": str(torch_threads(exp.engine)), **tracking.tags})
         run.log(history)  # what a failed MLflow write left unlogged
 
         def snapshot() -> dict:

@@ -274,28 +274,38 @@ def per_sample(task, out, y):
 
 
 def penalized_objectives():
+    """Each `penalized` objective of the registry, and its aux for a stack of 2 clients from
+    two further stacks like the parameters."""
     from pfl_tasks.algorithms.base import proximal
     from pfl_tasks.algorithms.feddyn import FedDyn
+    from pfl_tasks.algorithms.lp_proj import coupled
 
+    proj = torch.randn(3, 16, generator=torch.Generator().manual_seed(5))
     return {"proximal": (proximal(0.3), lambda anchor, other: anchor),
-            "feddyn": (FedDyn(FedDyn.Hyper(alpha=0.2)).objective(), lambda anchor, other: {"anchor": anchor, "grad": other})}
+            "feddyn": (FedDyn(FedDyn.Hyper(alpha=0.2)).objective(), lambda anchor, other: {"anchor": anchor, "grad": other}),
+            "lp_proj": (coupled(0.7, proj), lambda anchor, other: {"w": anchor["w"][:, 0, :3]})}
 
 
-@pytest.mark.parametrize("form", ["proximal", "feddyn"])
+@pytest.mark.parametrize("form", ["proximal", "feddyn", "lp_proj"])
 def test_a_penalty_gradient_is_the_gradient_of_its_objective_beyond_the_data_loss(form):
-    """What the vectorized executor adds to the data loss's gradient by hand is autograd's
-    gradient of the objective less its data loss: a dropped term or a flipped sign fails."""
+    """What the vectorized executor adds to the data loss's gradient by hand is, client by
+    client, autograd's gradient of the objective less its data loss: a dropped term or a
+    flipped sign fails."""
     objective, aux_of = penalized_objectives()[form]
     gen = torch.Generator().manual_seed(0)
     params, anchor, other = ({"w": torch.randn(2, 4, 3, generator=gen), "b": torch.randn(2, 4, generator=gen)}
                              for _ in range(3))
     aux = aux_of(anchor, other)
-    leaves = {n: v.clone().requires_grad_() for n, v in params.items()}
-    objective(lambda p: sum((v ** 3).sum() for v in p.values()), leaves, aux).backward()
+    expected = {n: torch.empty_like(v) for n, v in params.items()}
+    for k in range(2):  # the objective as written, for one client
+        leaves = {n: v[k].clone().requires_grad_() for n, v in params.items()}
+        objective(lambda p: sum((v ** 3).sum() for v in p.values()), leaves, tree_map(lambda t: t[k], aux)).backward()
+        for n in params:
+            expected[n][k] = leaves[n].grad
     grads = {n: 3 * v ** 2 for n, v in params.items()}  # the data loss's own
     objective.penalty_gradient(grads, params, aux)
     for n in params:
-        torch.testing.assert_close(grads[n], leaves[n].grad)
+        torch.testing.assert_close(grads[n], expected[n])
         assert (grads[n] - 3 * params[n] ** 2).abs().max() > 1e-3  # the penalty counts
 
 
@@ -325,3 +335,22 @@ def test_apfl_with_a_decaying_step_size_per_client_equals_the_reference(digits6)
                        fed.algorithm.personalized(seq.server, seq.clients)[0])
     torch.testing.assert_close(vec.clients["alpha"], seq.clients["alpha"], atol=1e-5, rtol=1e-4)
     assert vec.clients["alpha"].std() > 0  # each client its own alpha
+
+
+@pytest.mark.parametrize("cores,workers,threads,expected", [(2, 2, "auto", 1), (2, 1, "auto", 1), (16, 2, "auto", 7),
+                                                            (16, 1, "auto", 15), (2, 2, 3, 3)])
+def test_torch_threads_never_outnumber_the_cores_unless_asked(monkeypatch, cores, workers, threads, expected):
+    """auto: the cores less one (the Prefect server's), shared by the chunk workers; a
+    configured count is taken as it is; `configure` sets it for the process."""
+    from pfl_tasks.config import EngineConfig
+    from pfl_tasks.engine import device
+
+    monkeypatch.setattr(device, "usable_cores", lambda: cores)
+    engine = EngineConfig(max_workers=workers, threads=threads)
+    assert device.torch_threads(engine) == expected
+    before = torch.get_num_threads()
+    try:
+        device.configure(engine, torch.device("cpu"))
+        assert torch.get_num_threads() == expected
+    finally:
+        torch.set_num_threads(before)

@@ -32,6 +32,7 @@ from pydantic import Field
 
 from pfl_tasks.algorithms.base import Algorithm, HyperParams, PersonalModels
 from pfl_tasks.algorithms.registry import register
+from pfl_tasks.engine.executor import penalized
 
 class LpProjHyper(HyperParams):
     lam: Annotated[float, Field(gt=0)] = 1.0
@@ -59,6 +60,14 @@ def flatten(params, start: int = 0) -> torch.Tensor:
 def coupled(lam: float, proj: torch.Tensor):
     """Objective f_i(x) + lam/2 ||P x - w_i||^2, w_i passed as the trainer's `aux`."""
 
+    def gradient(grads, params, aux):  # lam P^T (P x_i - w_i), each client's row
+        names = sorted(params)
+        full = lam * (flatten(params, 1) @ proj.T - aux["w"]) @ proj
+        for name, part in zip(names, full.split([params[k][0].numel() for k in names], 1)):
+            if name in grads:
+                grads[name].add_(part.view_as(grads[name]))
+
+    @penalized(gradient)
     def objective(data_loss, params, aux):
         return data_loss(params) + 0.5 * lam * ((proj @ flatten(params) - aux["w"]) ** 2).sum()
 

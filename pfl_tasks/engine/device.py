@@ -26,10 +26,24 @@ def resolve_device(name: str) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if name == "cuda" else torch.device(name)
 
 
+def torch_threads(engine: EngineConfig) -> int:
+    """`engine.threads`, or (auto) the cores this process may use less one, shared by the
+    chunks that train at once, at least 1."""
+    if engine.threads != "auto":
+        return engine.threads
+    return max(1, (usable_cores() - 1) // engine.max_workers)
+
+
+def usable_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def configure(engine: EngineConfig, device: torch.device) -> None:
-    """Process-wide numerics for computing on `device` (nothing to set on the CPU). They stay
-    set for the process: a CPU run after a CUDA one in the same process keeps deterministic
-    mode on, which changes none of its numbers."""
+    """Process-wide: torch's thread count (`torch_threads`), and the numerics for computing on
+    `device` (nothing more to set on the CPU). They stay set for the process: a CPU run after a
+    CUDA one in the same process keeps deterministic mode on, which changes none of its numbers."""
+    if torch.get_num_threads() != torch_threads(engine):
+        torch.set_num_threads(torch_threads(engine))
     if device.type != "cuda":
         return
     # read when cuBLAS creates its handle: before this process's first GPU matmul

@@ -63,15 +63,16 @@ def clientwise(fn):
 
 
 def penalized(gradient: Callable[[Params, Params, Tree], None]):
-    """Marks a clientwise objective `data_loss(params) + R(params, aux)` with R's gradient:
-    `gradient(grads, params, aux)` adds dR/dparams[k] to `grads[k]`, in place, for each key of
-    `grads` (a stack's rows, or one client's). On a stackable net the vectorized executor then
-    backpropagates the data loss by hand, builds no autograd graph and adds this; everywhere
-    else the objective runs as written. Tests hold the two together for every marked objective."""
+    """Marks an objective `data_loss(params) + R(params, aux)` with R's gradient:
+    `gradient(grads, params, aux)` adds each client's dR/dparams[k] to `grads[k]`, in place,
+    for each key of `grads`, on a stack's rows (`params` all of them, trainable or not). On a
+    stackable net the vectorized executor then backpropagates the data loss by hand, builds no
+    autograd graph and adds this; everywhere else the objective runs as written. Tests hold
+    the two together for every marked objective."""
 
     def mark(objective):
         objective.penalty_gradient = gradient
-        return clientwise(objective)
+        return objective
 
     return mark
 
