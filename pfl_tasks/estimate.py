@@ -1,11 +1,12 @@
 """A dry run's time: an experiment's rounds and evaluations times the step times measured on
 this machine, before committing hours to it (`python -m flows.pipeline ... --estimate`).
 
-Each algorithm runs one warm-up round, then `rounds` (3) timed rounds and one timed evaluation, on
-the experiment's first seed's partition built in memory (nothing is written: no partition,
+Each algorithm runs one warm-up round, then `rounds` (3) timed rounds and one timed evaluation,
+on the experiment's first seed's partition built in memory (nothing is written: no partition,
 checkpoint, MLflow or Prefect run). The estimate is per algorithm: seeds x (rounds x round time
-+ evaluations x evaluation time), a range from the fastest to the slowest timed round, plus their sum; the fixed costs of a stage (its start, the
-store, checkpoints) and the Learn2pFed stage are not in it.
++ evaluations x evaluation time), a range from the fastest to the slowest timed round, plus
+their sum; the fixed costs of a stage (its start, the store, checkpoints) and the Learn2pFed
+stage are not in it.
 """
 
 from __future__ import annotations
@@ -74,7 +75,8 @@ def estimate(params: Params, experiment: str, rounds: int = 3,
             times.append(time.perf_counter() - start)
         start = time.perf_counter()
         fed.evaluate(state)
-        out.append(Estimate(name, tuple(times), time.perf_counter() - start, len(exp.seeds), fed_cfg.rounds, evaluations))
+        evaluation_s = time.perf_counter() - start
+        out.append(Estimate(name, tuple(times), evaluation_s, len(exp.seeds), fed_cfg.rounds, evaluations))
     return platform, out
 
 

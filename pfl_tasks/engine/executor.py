@@ -40,8 +40,9 @@ class Batch:
     """One client's minibatch inside a `scan` step (a whole stack's, in a `clientwise` step):
     `weight` sums to 1 over real rows (0 on padding), `extra` holds this step's slice of the
     `per_step` tensors. `data_grad(params)` is the gradient of the data loss on this batch at
-    `params` (fresh tensors, the caller's to overwrite), one forward-backward pass counted; a step that takes gradients otherwise calls
-    `record_pass()` once per pass over the batch, for the compute accounting."""
+    `params` (fresh tensors, the caller's to overwrite), one forward-backward pass counted; a
+    step that takes gradients otherwise calls `record_pass()` once per pass over the batch, for
+    the compute accounting."""
 
     x: torch.Tensor
     y: torch.Tensor
@@ -422,7 +423,11 @@ class BudgetOrder:
         a broadcast tensor, every row the same, as it is)."""
         if self.uniform:
             return tree
-        return tree_map(lambda t: t if t.stride(0) == 0 else t.index_select(0, self._perm.to(t.device)), tree)
+
+        def rows(t: torch.Tensor) -> torch.Tensor:
+            return t if t.dim() and t.stride(0) == 0 else t.index_select(0, self._perm.to(t.device))
+
+        return tree_map(rows, tree)
 
     def copy(self, tree: Tree) -> Tree:
         """Client rows in budget order, in fresh contiguous memory to update in place."""
@@ -444,7 +449,9 @@ def _update_first(tree: Tree, new: Tree) -> Tree:
     in place when they are fewer: the rest, clients past their budget, keep their values."""
 
     def put(old: torch.Tensor, fresh: torch.Tensor) -> torch.Tensor:
-        return fresh if len(fresh) == len(old) else old.index_copy_(0, torch.arange(len(fresh), device=old.device), fresh)
+        if len(fresh) == len(old):
+            return fresh
+        return old.index_copy_(0, torch.arange(len(fresh), device=old.device), fresh)
 
     return tree_zip(put, tree, new)
 
