@@ -131,12 +131,14 @@ def stacked_forward(net: nn.Sequential, params: dict[str, torch.Tensor], x: torc
 
 
 def stacked_backward(net: nn.Sequential, params: dict[str, torch.Tensor], saved: list,
-                     d_out: torch.Tensor, grads: dict[str, torch.Tensor]) -> None:
+                     d_out: torch.Tensor, grads: dict[str, torch.Tensor], lr: float | None = None) -> None:
     """Backpropagation by hand through `stacked_forward(..., saved=saved)`: writes into `grads`
     (buffers [K, ...] in the parameters' layout, one per parameter wanted) each client's
     gradient of sum_b <d_out[k, b], outputs[k, b]>, and stops at the first module they need.
     Autograd's twin, minus its graph and its transposed weight gradients: each matmul writes
-    where the optimizer reads. `d_out` is overwritten."""
+    where the optimizer reads. With `lr`, `grads` are those parameters themselves, each stepped
+    in place by -lr times its gradient (plain SGD, the gradient never stored), every product
+    with a parameter's old value taken before it moves. `d_out` is overwritten."""
     first = min(int(name.split(".", 1)[0]) for name in grads)
     d = d_out
     for i, kept in reversed(saved):
@@ -146,12 +148,18 @@ def stacked_backward(net: nn.Sequential, params: dict[str, torch.Tensor], saved:
         elif isinstance(module, nn.Flatten):
             d = d.view(kept.shape)
         else:
+            below = torch.bmm(d, params[f"{i}.weight"]) if i > first else None
             if f"{i}.weight" in grads:
-                torch.bmm(d.transpose(1, 2), kept, out=grads[f"{i}.weight"])
+                if lr is None:
+                    torch.bmm(d.transpose(1, 2), kept, out=grads[f"{i}.weight"])
+                else:
+                    grads[f"{i}.weight"].baddbmm_(d.transpose(1, 2), kept, alpha=-lr)
             if f"{i}.bias" in grads:
-                torch.sum(d, 1, out=grads[f"{i}.bias"])
-            if i > first:
-                d = torch.bmm(d, params[f"{i}.weight"])
+                if lr is None:
+                    torch.sum(d, 1, out=grads[f"{i}.bias"])
+                else:
+                    grads[f"{i}.bias"].add_(d.sum(1), alpha=-lr)
+            d = below
         if i <= first:
             return
 

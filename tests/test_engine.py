@@ -231,12 +231,13 @@ def test_a_clientwise_scan_step_runs_on_the_whole_stack_and_equals_the_reference
         assert_trees_close(view(vec.server, vec.clients)[0], view(seq.server, seq.clients)[0])
 
 
+@pytest.mark.parametrize("descend", [False, True], ids=["gradient", "sgd step"])
 @pytest.mark.parametrize("trainable", ["all", "head", "body"])
 @pytest.mark.parametrize("task", ["classification", "regression"])
-def test_backpropagation_by_hand_equals_autograd(trainable, task):
+def test_backpropagation_by_hand_equals_autograd(trainable, task, descend):
     """`stacked_backward` gives each client the gradient autograd gives it, for a two-hidden-layer
     MLP over image-shaped inputs (Flatten first), for every parameter or only some of them, and
-    writes nothing else."""
+    writes nothing else; with an lr it steps those parameters by -lr times that gradient."""
     from pfl_tasks.engine.executor import VectorizedTrainer
     from pfl_tasks.engine.state import replicate
     from pfl_tasks.nets import build_net, head_keys, init_params, stacked_backward, stacked_forward
@@ -259,9 +260,18 @@ def test_backpropagation_by_hand_equals_autograd(trainable, task):
 
     trainer = VectorizedTrainer.__new__(VectorizedTrainer)
     trainer.task = task
-    saved, grads = [], {n: torch.full_like(params[n], float("nan")) for n in names}
+    saved = []
     out = stacked_forward(net, params, x, saved=saved)
-    stacked_backward(net, params, saved, trainer._loss_gradient(out, y, mask), grads)
+    d_out = trainer._loss_gradient(out, y, mask)
+    if descend:
+        moved = {n: v.clone() for n, v in params.items()}
+        stacked_backward(net, moved, saved, d_out, {n: moved[n] for n in names}, lr=0.5)
+        for n in params:
+            expected = params[n] - 0.5 * leaves[n].grad if n in names else params[n]
+            torch.testing.assert_close(moved[n], expected, atol=1e-6, rtol=1e-5)
+        return
+    grads = {n: torch.full_like(params[n], float("nan")) for n in names}
+    stacked_backward(net, params, saved, d_out, grads)
     assert set(grads) == names
     for n in names:
         torch.testing.assert_close(grads[n], leaves[n].grad, atol=1e-6, rtol=1e-5)

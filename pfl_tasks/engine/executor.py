@@ -256,22 +256,40 @@ class VectorizedTrainer(LocalTrainer):
 
             return objective(data_loss, {**frozen_p, **train_p}, aux_k)
 
-        start, inputs = 0, self._samples
+        start, inputs, descend = 0, self._samples, None
         if stackable(self.net):
             start = frozen_prefix(params, keys)
             if start:
                 inputs = self._frozen_features(start, frozen, order)
-            grads_of = self._stacked_grads(objective, start, train)
+            if objective is data_objective and optim.plain_sgd(local.optimizer):
+                descend = self._descend(start, local.optimizer.lr)
+            else:
+                grads_of = self._stacked_grads(objective, start, train)
         else:
             grads_of = vmap(grad(client_objective))
         opt_state = optim.init_state(local.optimizer, train)
         for s, plan in enumerate(plans):
             x, y = inputs(plan), take(self._train.y, plan.rows)
-            g = grads_of(*_first(plan.width, train, frozen), x, y, plan.mask, _first(plan.width, aux)[0])
-            self._count_step(plan.samples)
             # the clients still within their budget are a prefix: their rows step in place
-            optim.step_(local.optimizer, *_first(plan.width, train, g, opt_state), s)
+            rows, frozen_rows, aux_rows, opt_rows = _first(plan.width, train, frozen, aux, opt_state)
+            if descend is not None:
+                descend(rows, frozen_rows, x, y, plan.mask)
+            else:
+                optim.step_(local.optimizer, rows, grads_of(rows, frozen_rows, x, y, plan.mask, aux_rows), opt_rows, s)
+            self._count_step(plan.samples)
         return order.restore({**frozen, **train})
+
+    def _descend(self, start: int, lr: float):
+        """A plain SGD step on the data loss of a stackable net, by hand, the parameters moving
+        as the backward pass leaves them (`stacked_backward` with `lr`)."""
+
+        def descend(train_p, frozen_p, x, y, mask):
+            params, saved = {**frozen_p, **train_p}, []
+            self._record_pass()
+            out = stacked_forward(self.net, params, x, start, saved=saved)
+            stacked_backward(self.net, params, saved, self._loss_gradient(out, y, mask), train_p, lr)
+
+        return descend
 
     def _samples(self, plan: StepPlan) -> torch.Tensor:
         return take(self._train.x, plan.rows)

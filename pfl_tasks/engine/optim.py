@@ -32,6 +32,11 @@ def per_client(value, like: torch.Tensor):
     return value
 
 
+def plain_sgd(cfg: OptimizerConfig) -> bool:
+    """SGD without momentum or weight decay: a step is -lr times the gradient, nothing kept."""
+    return cfg.name == "sgd" and not cfg.momentum and not cfg.weight_decay
+
+
 def step_(
     cfg: OptimizerConfig,
     params: Params,
