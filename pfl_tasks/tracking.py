@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from pfl_tasks.errors import TrackingError
+from pfl_tasks.errors import RunStopped, TrackingError
 
 
 def git_commit() -> str:
@@ -197,7 +197,10 @@ def open_store(uri: str) -> None:
 
 class MlflowRun:
     """One MLflow run per (experiment, algorithm, seed); resumable by run id. Every call to the
-    store is retried while it fails transiently, up to `retry_seconds`."""
+    store is retried while it fails transiently, up to `retry_seconds`. Metric records go to the
+    store on a thread of their own, one batch at a time and in order, while training goes on
+    (a store write of a round's metrics costs about as much as a small round): every other
+    call, and the next batch, waits for the batch in flight first, and raises its error."""
 
     def __init__(self, uri: str, experiment: str, run_name: str, run_id: str | None, retry_seconds: float = 120.0,
                  tags: dict[str, str] | None = None, stopping: Callable[[], None] = lambda: None):
@@ -208,6 +211,8 @@ class MlflowRun:
         from mlflow.tracking import MlflowClient
 
         self.retry_seconds, self.stopping = retry_seconds, stopping
+        self._sender = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mlflow-records")
+        self._in_flight: concurrent.futures.Future | None = None
         self.client = MlflowClient(tracking_uri=tracking_uri(uri))
         exp = self._call("get experiment", self.client.get_experiment_by_name, experiment)
         exp_id = exp.experiment_id if exp else self._call(
@@ -244,8 +249,17 @@ class MlflowRun:
             return retrying(lambda: fn(*args, **kwargs), what, bound)
         return retrying(lambda: fn(*args, **kwargs), what, self.retry_seconds, stopping=self.stopping)
 
+    def drain(self, timeout: float | None = None) -> None:
+        """Wait for the records in flight (at most `timeout` seconds); their error, if they
+        failed, raises here."""
+        in_flight, self._in_flight = self._in_flight, None
+        if in_flight is not None:
+            in_flight.result(timeout)
+
     def log_params_and_tags(self, params: dict[str, str], tags: dict[str, str]) -> None:
         from mlflow.entities import Param, RunTag
+
+        self.drain()
 
         existing = self._call("read params", self.client.get_run, self.run_id).data.params
         fresh = [Param(k, v[:6000]) for k, v in params.items() if k not in existing]
@@ -261,14 +275,21 @@ class MlflowRun:
 
         now = int(time.time() * 1000)
         batch = [Metric(k, float(v), now, int(r[step_key])) for r in records for k, v in r.items() if k != step_key]
-        for i in range(0, len(batch), 1000):  # MLflow's per-call limit
-            self._call("log metrics", self.client.log_batch, self.run_id, metrics=batch[i : i + 1000])
+
+        def send() -> None:
+            for i in range(0, len(batch), 1000):  # MLflow's per-call limit
+                self._call("log metrics", self.client.log_batch, self.run_id, metrics=batch[i : i + 1000])
+
+        self.drain()
+        self._in_flight = self._sender.submit(send)
 
     def log_artifacts(self, directory: Path) -> None:
+        self.drain()
         self._call("log artifacts", self.client.log_artifacts, self.run_id, str(directory))
 
     def last_step(self, key: str) -> int:
         """The last step at which this run holds metric `key`; -1 if none."""
+        self.drain()
         history = self._call("read metric", self.client.get_metric_history, self.run_id, key)
         return max((m.step for m in history), default=-1)
 
@@ -277,6 +298,7 @@ class MlflowRun:
         is no live process on this host: left by a process that died."""
         from mlflow.entities import ViewType
 
+        self.drain()
         run = self._call("get run", self.client.get_run, self.run_id)
         query = " and ".join([f"tags.`{k}` = '{v}'" for k, v in tags.items()] + ["attributes.status = 'RUNNING'"])
         stale = [r.info.run_id for r in self._call(
@@ -288,9 +310,19 @@ class MlflowRun:
         return stale
 
     def set_tag(self, key: str, value: str) -> None:
+        self.drain()
         self._call(f"tag {key}", self.client.set_tag, self.run_id, key, value)
 
     def finish(self, status: str = "FINISHED", reason: str | None = None, bound: float | None = None) -> None:
+        """Mark the run ended: a FINISHED run has every record (their error raises here); a
+        failed or stopped one is marked whatever became of its records in flight, waited for
+        at most `bound` seconds (its checkpoint holds them)."""
+        if status == "FINISHED":
+            self.drain()
+        else:
+            with contextlib.suppress(Exception, RunStopped):
+                self.drain(bound)
+        self._sender.shutdown(wait=False)
         if reason is not None:
             self._call("tag failure", self.client.set_tag, self.run_id, "failure", reason[:5000], bound=bound)
         self._call("end run", self.client.set_terminated, self.run_id, status=status, bound=bound)

@@ -314,7 +314,9 @@ def test_sqlite_store_locked_past_the_bound_fails_the_run_checkpointed_and_a_rer
     holder["con"].rollback()
     holder["con"].close()
     paths = RunPaths.of(project, "tiny", "fedavg", 0)
-    assert load_checkpoint(paths.checkpoint, {})["round"] == 4  # checkpointed before logging
+    # round 4's records go out while round 5 trains: their failure surfaces at round 5's log,
+    # after its checkpoint, and the failed run checkpoints there
+    assert load_checkpoint(paths.checkpoint, {})["round"] == 5
     assert train(project, tracking_options=patient) == uninterrupted
     client, runs = _runs_at(store, "tiny", "fedavg")
     resumed = [r for r in runs if r.data.tags.get("pid") and r.info.status == "FINISHED"]
