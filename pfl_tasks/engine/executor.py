@@ -256,15 +256,15 @@ class VectorizedTrainer(LocalTrainer):
 
             return objective(data_loss, {**frozen_p, **train_p}, aux_k)
 
-        start, inputs, descend = 0, self._samples, None
+        start, inputs = 0, self._samples
+        # plain SGD on a stackable net's data loss: each step moves the parameters as the
+        # backward pass leaves them, no gradient stored
+        descend = stackable(self.net) and objective is data_objective and optim.plain_sgd(local.optimizer)
         if stackable(self.net):
             start = frozen_prefix(params, keys)
             if start:
                 inputs = self._frozen_features(start, frozen, order)
-            if objective is data_objective and optim.plain_sgd(local.optimizer):
-                descend = self._descend(start, local.optimizer.lr)
-            else:
-                grads_of = self._stacked_grads(objective, start, train)
+            grads_of = None if descend else self._stacked_grads(objective, start, train)
         else:
             grads_of = vmap(grad(client_objective))
         opt_state = optim.init_state(local.optimizer, train)
@@ -272,24 +272,23 @@ class VectorizedTrainer(LocalTrainer):
             x, y = inputs(plan), take(self._train.y, plan.rows)
             # the clients still within their budget are a prefix: their rows step in place
             rows, frozen_rows, aux_rows, opt_rows = _first(plan.width, train, frozen, aux, opt_state)
-            if descend is not None:
-                descend(rows, frozen_rows, x, y, plan.mask)
+            if descend:
+                self._backward({**frozen_rows, **rows}, x, y, plan.mask, rows, start, local.optimizer.lr)
             else:
-                optim.step_(local.optimizer, rows, grads_of(rows, frozen_rows, x, y, plan.mask, aux_rows), opt_rows, s)
+                grads = grads_of(rows, frozen_rows, x, y, plan.mask, aux_rows)
+                optim.step_(local.optimizer, rows, grads, opt_rows, s)
             self._count_step(plan.samples)
         return order.restore({**frozen, **train})
 
-    def _descend(self, start: int, lr: float):
-        """A plain SGD step on the data loss of a stackable net, by hand, the parameters moving
-        as the backward pass leaves them (`stacked_backward` with `lr`)."""
-
-        def descend(train_p, frozen_p, x, y, mask):
-            params, saved = {**frozen_p, **train_p}, []
-            self._record_pass()
-            out = stacked_forward(self.net, params, x, start, saved=saved)
-            stacked_backward(self.net, params, saved, self._loss_gradient(out, y, mask), train_p, lr)
-
-        return descend
+    def _backward(self, params: Params, x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor, grads: Params,
+                  start: int = 0, lr: float | None = None) -> None:
+        """One forward-backward pass of a stackable net (from module `start`) on the data loss,
+        by hand (`stacked_backward`): each client's gradient into `grads`, or with `lr` an SGD
+        step of the parameters `grads` names."""
+        saved = []
+        self._record_pass()
+        out = stacked_forward(self.net, params, x, start, saved=saved)
+        stacked_backward(self.net, params, saved, self._loss_gradient(out, y, mask), grads, lr)
 
     def _samples(self, plan: StepPlan) -> torch.Tensor:
         return take(self._train.x, plan.rows)
@@ -324,11 +323,8 @@ class VectorizedTrainer(LocalTrainer):
             buffers = {k: torch.empty_like(v) for k, v in train.items()}
 
             def by_hand(train_p, frozen_p, x, y, mask, aux):
-                params, saved = {**frozen_p, **train_p}, []
-                self._record_pass()
-                out = stacked_forward(self.net, params, x, start, saved=saved)
-                grads = {k: v[: len(x)] for k, v in buffers.items()}
-                stacked_backward(self.net, params, saved, self._loss_gradient(out, y, mask), grads)
+                params, grads = {**frozen_p, **train_p}, {k: v[: len(x)] for k, v in buffers.items()}
+                self._backward(params, x, y, mask, grads, start)
                 if penalty is not None:
                     penalty(grads, params, aux)
                 return grads
@@ -395,10 +391,8 @@ class VectorizedTrainer(LocalTrainer):
                 return (per_sample_loss(self.task, out, y.flatten()).view(mask.shape) * weight).sum()
 
             def data_grad(p):  # each client's, in its own rows, backpropagated by hand
-                self._record_pass()
-                saved, grads = [], {k: torch.empty_like(v, memory_format=torch.contiguous_format) for k, v in p.items()}
-                out = stacked_forward(self.net, p, x, saved=saved)
-                stacked_backward(self.net, p, saved, self._loss_gradient(out, y, mask), grads)
+                grads = {k: torch.empty_like(v, memory_format=torch.contiguous_format) for k, v in p.items()}
+                self._backward(p, x, y, mask, grads)
                 return grads
 
             return step(c, data_loss, a, Batch(x, y, weight, extra, self._record_pass, data_grad))

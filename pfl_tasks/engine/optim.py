@@ -37,14 +37,8 @@ def plain_sgd(cfg: OptimizerConfig) -> bool:
     return cfg.name == "sgd" and not cfg.momentum and not cfg.weight_decay
 
 
-def step_(
-    cfg: OptimizerConfig,
-    params: Params,
-    grads: Params,
-    state: dict[str, Params],
-    step_index: int | torch.Tensor,
-    lr: float | torch.Tensor | None = None,
-) -> None:
+def step_(cfg: OptimizerConfig, params: Params, grads: Params, state: dict[str, Params],
+          step_index: int | torch.Tensor, lr: float | torch.Tensor | None = None) -> None:
     """One optimizer step (`step_index` counts from 0) for every client, at `lr` (default: the
     configured one; a tensor for step-size schedules), updating `params` and `state` in place:
     no step allocates a model-sized tensor (each costs page faults on the CPU) unless weight
@@ -70,14 +64,8 @@ def step_(
                 p.add_(g, alpha=-rate)
 
 
-def step(
-    cfg: OptimizerConfig,
-    params: Params,
-    grads: Params,
-    state: dict[str, Params],
-    step_index: int | torch.Tensor,
-    lr: float | torch.Tensor | None = None,
-) -> tuple[Params, dict[str, Params]]:
+def step(cfg: OptimizerConfig, params: Params, grads: Params, state: dict[str, Params],
+         step_index: int | torch.Tensor, lr: float | torch.Tensor | None = None) -> tuple[Params, dict[str, Params]]:
     """`step_` on copies: the new parameters and state, the given ones untouched (for steps
     written as functions of their carry, which `vmap` traces)."""
     params = {k: v.clone() for k, v in params.items()}
