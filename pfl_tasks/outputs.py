@@ -95,11 +95,13 @@ def evaluation_line(record: dict, task: str) -> str:
 
 
 def write_dvc_outputs(metrics_path: Path, curve_path: Path, final: dict, history: list[dict]) -> None:
-    atomic_write_text(metrics_path, json_text(final))
+    """The curve, then the metrics: the metrics file says a run finished, so it comes last (a
+    kill between the two leaves an unfinished run, which the rerun resumes and writes again)."""
     if history:
         write_csv(curve_path, history)
     else:  # diverged before its first evaluation: no curve, not an earlier run's
         curve_path.unlink(missing_ok=True)
+    atomic_write_text(metrics_path, json_text(final))
 
 
 def learning_curve_png(path: Path, history: list[dict], task: str, title: str) -> None:

@@ -297,17 +297,21 @@ class Run:
             self.logged_through = max(self.logged_through, history[-1][self.unit])
 
     def finish(self, final: dict[str, float], curve: list[dict], artifacts: Callable[[Path], None]) -> None:
-        """DVC metrics (the `headline` of `final`, pinned to the MLflow run: what reports read
-        for this output) and curve, every final metric and `artifacts(dir)`'s files to MLflow,
-        FINISHED."""
+        """Every final metric and `artifacts(dir)`'s files to MLflow, FINISHED; then the curve
+        and the DVC metrics (the `headline` of `final`, pinned to the MLflow run: what reports
+        read for this output, and what says the run finished), last: a kill before them leaves
+        a run that the rerun finishes again (logging no final metric twice), never a kept run
+        that MLflow shows RUNNING."""
         self._lock.verify()
-        write_dvc_outputs(self.paths.metrics, self.paths.curve,
-                          {"status": "finished", **headline(final), **pin(self.tracker.run_id)}, curve)
-        self.tracker.log_metrics(final, step=self.total)
+        if self.tracker.last_step(next(iter(final))) < self.total:
+            self.tracker.log_metrics(final, step=self.total)
         with tempfile.TemporaryDirectory() as tmp:
             artifacts(Path(tmp))
             self.tracker.log_artifacts(Path(tmp))
         self.tracker.finish()
+        self._lock.verify()
+        write_dvc_outputs(self.paths.metrics, self.paths.curve,
+                          {"status": "finished", **headline(final), **pin(self.tracker.run_id)}, curve)
         if os.environ.get(CONSOLE) == "runs":
             print(f"{self.label}: {self.total} {self.unit}s in {time.monotonic() - self.started:.0f} s, "
                   f"{self.summary}", flush=True)
@@ -318,8 +322,9 @@ class Run:
         (tag `diverged_at`), and the last checkpoint stays, from before the divergence."""
         self._lock.verify()
         record = {"status": "diverged", "diverged_at": at, "reason": reason, **pin(self.tracker.run_id)}
-        write_dvc_outputs(self.paths.metrics, self.paths.curve, record, curve)
         self.tracker.set_tag("diverged_at", str(at))
         self.tracker.finish("FAILED", f"diverged at {self.unit} {at}: {reason}")
+        self._lock.verify()
+        write_dvc_outputs(self.paths.metrics, self.paths.curve, record, curve)
         print(f"{self.label}: diverged at {self.unit} {at}: {reason}; a failed run, not a result", file=sys.stderr)
         return record

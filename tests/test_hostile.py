@@ -503,3 +503,19 @@ def test_a_round_nobody_reports_is_skipped_and_counted(project):
     skipped = sum(len(federation_of(load_partition(project / "data/partitions/digits/seed-0"), "fedavg", dropout=0.9)
                       .sample_clients(r)) == 0 for r in range(6))
     assert skipped > 0 and final["final/rounds/skipped"] == skipped
+
+
+def test_a_run_killed_while_writing_its_curve_is_not_finished(tmp_path, monkeypatch):
+    """The metrics file (what says a run finished, and so is kept by the next stage) is written
+    after the curve: a kill in between leaves a run that the rerun resumes and writes again, not
+    a kept run with a stale curve and a temporary beside it (test_stage's kills found one)."""
+    from pfl_tasks import outputs
+
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(outputs, "write_csv", killed)
+    with pytest.raises(KeyboardInterrupt):
+        outputs.write_dvc_outputs(tmp_path / "seed-0.json", tmp_path / "seed-0.csv", {"status": "finished"},
+                                  [{"round": 1, "val": 0.5}])
+    assert not (tmp_path / "seed-0.json").exists()
