@@ -221,9 +221,8 @@ class LocalTrainer(ABC):
              per_step: Callable[[int, int], Tree] | None = None) -> Tree:
         """Run `step(carry_k, data_loss, aux_k, batch) -> carry_k` once per local step, each on
         a fresh minibatch, for every client; for algorithms whose local work is not plain
-        optimization (nested prox solves, mixtures, custom forward passes). `step` takes the data
-        loss's gradient from `batch.data_grad`, or calls `torch.func.grad` on an objective of its
-        own (not `clientwise` then). `per_step(S, B)` returns tensors [K, S, B, ...] for the chunk's padded
+        optimization (nested prox solves, mixtures, custom forward passes). `step` may call
+        `torch.func.grad`. `per_step(S, B)` returns tensors [K, S, B, ...] for the chunk's padded
         step and batch counts (e.g. noise drawn per client outside `vmap`, so both executors see
         the same); step s gets its slice as `batch.extra`."""
 
