@@ -9,9 +9,9 @@ on a fresh clone of this commit, then the edit-reruns-only-dependents check on t
   - edits: after appending a comment to pfl_tasks/reports.py, the MLflow store
     (pfl_tasks/tracking.py) or the run outputs (pfl_tasks/outputs.py), which stages `dvc status`
     calls changed (expected: tables, compare: no training); to the train CLI (flows/train.py):
-    none; to pfl_tasks/algorithms/ditto.py: the train stages of the experiments running Ditto,
-    whose flows then retrain only its runs; to the selection rules (pfl_tasks/selection.py):
-    every train and Learn2pFed stage, and the reports.
+    none; to pfl_tasks/algorithms/ditto.py: the tune and train stages of the experiments running
+    Ditto, whose flows then retrain only its runs; to the selection rules
+    (pfl_tasks/selection.py): every tune, train and Learn2pFed stage, and the reports.
 
     python -m bench.repro             # make run's time, plus about 2 minutes
     python -m bench.repro --params params-quick.yaml   # the quickstart's matrix: a smoke run
@@ -172,9 +172,10 @@ def main(argv: list[str] | None = None) -> int:
             return status
         result["edits"] = {}
         reports = {"tables", "compare"} & stages(root)
-        experiments = yaml.safe_load((root / "params.yaml").read_text())["experiments"]
-        with_ditto = {f"train-{name}" for name, exp in experiments.items() if "ditto" in exp["algorithms"]}
-        trained = {name for name in stages(root) if name.startswith(("train-", "learn2pfed-"))}
+        params = yaml.safe_load((root / "params.yaml").read_text())
+        with_ditto = {f"{kind}-{name}" for name, exp in params["experiments"].items() if "ditto" in exp["algorithms"]
+                      for kind in ("train", "tune") if kind == "train" or name in params.get("tuning", {})}
+        trained = {name for name in stages(root) if name.startswith(("tune-", "train-", "learn2pfed-"))}
         for rel, expected in (("pfl_tasks/reports.py", reports), ("pfl_tasks/tracking.py", reports),
                               ("pfl_tasks/outputs.py", reports), ("flows/train.py", set()),
                               ("pfl_tasks/algorithms/ditto.py", with_ditto),

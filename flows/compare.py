@@ -3,7 +3,7 @@ significance marks, plateau, compute and communication columns, learning curves,
 compute, and per-client distributions (the protocol: pfl_tasks/reports.py).
 
 Writes `reports/compare/<experiment>.md` with its PNGs in `reports/figures/`, and each method's
-mean in `reports/ranking.json` (DVC metrics). Without names,
+two statistics (client mean, sample-weighted) in `reports/ranking.json` (DVC metrics). Without names,
 every experiment of the params file that MLflow has runs of.
 
     python -m flows.compare [experiment ...] [--params params.yaml] [--tracking-uri URI]
@@ -21,7 +21,8 @@ from flows.stage import stage_main
 from pfl_tasks.config import load_params
 from pfl_tasks.files import OutputLock, atomic_write_text, remove_stale_temporaries
 from pfl_tasks.outputs import json_text
-from pfl_tasks.reports import best_line, configured_runs, results_store, write_report
+from pfl_tasks.reports import best_line, configured_runs, flips, results_store, write_report
+from pfl_tasks.tuning import read_tuning
 from pfl_tasks.tracking import tracking_uri as configured_uri
 
 REPORTS = Path("reports/compare")
@@ -43,22 +44,27 @@ def compare(experiments: list[str] | None = None, params_path: str = "params.yam
     rankings = {}
     with OutputLock(root / LOCK, "the comparison reports"):
         for experiment in experiments:
+            tuning = read_tuning(root, experiment) if experiment in params.tuning else None
             results = rankings[experiment] = write_report(client, experiment, root / REPORTS, root / FIGURES,
-                                                          pinned[experiment])
-            ranked = sum(r.ranked for r in results)
-            print(f"{experiment}: {ranked} methods ranked, {best_line(results)} -> {root / REPORTS / experiment}.md")
+                                                          pinned[experiment], tuning)
+            ranked, flipped = sum(r.ranked for r in results), flips(results)
+            print(f"{experiment}: {ranked} methods ranked; client mean: {best_line(results)}; sample-weighted: "
+                  f"{best_line(results, weighted=True)}; verdict flips between them: "
+                  f"{', '.join(flipped) or 'none'} -> {root / REPORTS / experiment}.md")
         write_ranking(root / RANKING, rankings, keep_others=bool(experiments_asked))
     return rankings
 
 
 def write_ranking(path: Path, rankings: dict[str, list], keep_others: bool) -> None:
-    """DVC metrics `<experiment>.<method>`: each ranked method's mean over clients and seeds, the
-    number its report ranks by; short keys, so that `dvc exp show` compares experiments in a
-    terminal. `keep_others`: the experiments not compared now keep their entries. Call as its one
+    """DVC metrics `<experiment>.<method>.client_mean` (the number its report ranks by) and
+    `.sample_weighted`: each ranked method's two statistics, mean over seeds; short keys, so
+    that `dvc exp show` compares experiments in a terminal. `keep_others`: the experiments not compared now keep their entries. Call as its one
     writer: what a killed writer left of its temporaries is removed first."""
     remove_stale_temporaries(path)
     ranking = json.loads(path.read_text()) if keep_others and path.exists() else {}
-    ranking.update({experiment: {r.method: r.personalized[0] for r in results if r.ranked}
+    ranking.update({experiment: {r.method: {"client_mean": r.personalized[0],
+                                            **({"sample_weighted": r.weighted[0]} if r.weighted else {})}
+                                 for r in results if r.ranked}
                     for experiment, results in rankings.items()})
     atomic_write_text(path, json_text(ranking))
 

@@ -90,7 +90,7 @@ def check_inputs(params, experiment: str, root: Path) -> None:
             RunPaths.of(root, f"learn2pfed/{exp.name}", f"learn2pfed-{supervision}", seed).check_writable()
         manifest = read_manifest(partition_dir(root, exp.dataset, seed))
         if manifest.task == "classification" and upstream is not None:
-            upstream_checkpoint(exp.model_copy(update={"seed": seed}), upstream, root)
+            upstream_checkpoint(exp.for_run(upstream, seed), upstream, root)
 
 
 def upstream_features(exp: ResolvedExperiment, params, data: FederatedData, run_name: str, root: Path):
@@ -98,8 +98,9 @@ def upstream_features(exp: ResolvedExperiment, params, data: FederatedData, run_
     map, its head [classes, hidden + 1] flattened as the cells' starting w."""
     path, where = upstream_checkpoint(exp, run_name, root), f"learn2pfed.{exp.name}.features_from"
     ckpt = load_checkpoint(path, {"experiment": exp.name, "algorithm": run_name})
-    if ckpt["round"] != exp.federation.rounds:
-        raise CheckpointError(f"{path}: at round {ckpt['round']} of {exp.federation.rounds}; finish {stage_name('train', exp.name)} first")
+    rounds = exp.for_run(run_name).federation.rounds
+    if ckpt["round"] != rounds:
+        raise CheckpointError(f"{path}: at round {ckpt['round']} of {rounds}; finish {stage_name('train', exp.name)} first")
     model = build(run_name, exp.hyper[run_name]).global_model(ckpt["server"], ckpt["clients"])
     if model is None:
         raise ConfigError(f"{where}: '{run_name}' has no global model to take a body from")
@@ -168,7 +169,8 @@ def learn2pfed_flow(experiment: str, supervision: str, seed: int, params_path: s
     problems = build_problems(exp, params, cfg, supervision, root)
     data_hash = problems.data_hash
     config = {
-        "experiment": exp.model_dump(mode="json", exclude={"engine", "algorithms", "hyper", "seeds", "federation", "local"}),
+        "experiment": exp.model_dump(mode="json", exclude={"engine", "algorithms", "hyper", "seeds", "federation", "local",
+                                                         "run_overrides"}),
         "learn2pfed": cfg.model_dump(mode="json", exclude={"supervision": True, "meta": {"epochs", "checkpoint_every"}}),
         "supervision": supervision, "data": data_hash, "upstream": problems.upstream, "code": code_hash(learn2pfed_code(params, experiment)),
     }

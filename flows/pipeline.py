@@ -4,7 +4,7 @@
 - `pfl-repro`: `dvc repro` itself, so only stale stages run and DVC records every output; the
   stages' own flow runs report to the same Prefect server.
 - `pfl-pipeline`: every stage of one params file in this one process (one Prefect start):
-  prepare -> train -> learn2pfed -> tables -> compare. For example the optional Fashion-MNIST
+  prepare -> tune -> train -> learn2pfed -> tables -> compare. For example the optional Fashion-MNIST
   experiment:
 
     python -m flows.pipeline --params params-fmnist.yaml
@@ -29,6 +29,7 @@ from flows.prepare import PARTITIONS, prepare
 from flows.stage import prefect_api, stage_main
 from flows.tables import write_tables
 from flows.train import train_experiment
+from flows.tune import tune_flow
 from pfl_tasks.algorithms import validate_params
 from pfl_tasks.config import Params, load_params
 from pfl_tasks.errors import ConfigError
@@ -71,6 +72,8 @@ def pipeline_flow(params_path: str = "params.yaml", root: str = ".", experiments
     for dataset in sorted({params.experiments[e].dataset for e in chosen}):
         prepare_step(dataset, params_path, Path(root) / PARTITIONS)
     for experiment in chosen:
+        if experiment in params.tuning:
+            tune_flow(experiment, params_path, root)
         train_experiment(experiment, params_path, root, "restart")
         if experiment in params.learn2pfed:
             learn2pfed_experiment(experiment, params_path, root, "restart")

@@ -27,29 +27,51 @@ from pfl_tasks.config import load_params, read_params
 from pfl_tasks.errors import ConfigError
 from pfl_tasks.files import atomic_write_text
 from pfl_tasks.imports import ROOT, numeric_code, run_code
+from pfl_tasks.tuning import tuning_path
 
 HEADER = """\
 # Written by `python -m flows.stages` from params.yaml (`make run` does it first): edit params.yaml,
-# not this file. `dvc repro` runs prepare-<dataset> -> train-<experiment> -> learn2pfed-<experiment>
+# not this file. `dvc repro` runs prepare-<dataset> -> tune-, train-<experiment> -> learn2pfed-<experiment>
 # -> tables, compare; each stage is a thin call into flows/ and depends on the params keys its runs
 # read and the source files that can change their numbers.
 """
 GLOBAL_KEYS = ["seed", "federation", "local", "engine", "tracking"]
 
 
-def train_stage(params, raw: dict, experiment: str) -> dict:
+def run_keys(params, raw: dict, experiment: str) -> list[str]:
+    """The params keys an experiment's runs read, its own runs' entries only."""
     exp = params.experiment(experiment)
     raw_exp = raw["experiments"][experiment]
     keys = [f"experiments.{experiment}.{k}" for k in raw_exp if k != "algorithm_overrides"]
     keys += [f"experiments.{experiment}.algorithm_overrides.{run}" for run in exp.algorithms
              if run in raw_exp.get("algorithm_overrides", {})]
     keys += [f"algorithms.{run}" for run in exp.algorithms if raw["algorithms"][run]]  # `local` has none
+    return GLOBAL_KEYS + keys
+
+
+def run_code_deps(params, experiment: str) -> list[str]:
+    exp = params.experiment(experiment)
     code = numeric_code(*(source_file(run, exp.hyper[run]) for run in exp.algorithms))
+    return [f"data/partitions/{exp.dataset}", "pfl_tasks/training.py", *map(str, code)]
+
+
+def tune_stage(params, raw: dict, experiment: str) -> dict:
+    """Its one output, the choices, is committed (cache: false): a fresh clone reuses it."""
+    return {
+        "cmd": f"python -m flows.tune {experiment}",
+        "deps": [*run_code_deps(params, experiment), "pfl_tasks/tuning.py"],
+        "params": [*run_keys(params, raw, experiment), f"tuning.{experiment}"],
+        "outs": [{str(tuning_path(Path("."), experiment)): {"cache": False}}],
+    }
+
+
+def train_stage(params, raw: dict, experiment: str) -> dict:
+    tuned = [str(tuning_path(Path("."), experiment))] if experiment in params.tuning else []
     # persistent outputs: DVC leaves them in place, and the flow keeps the runs it skips
     return {
         "cmd": f"python -m flows.train {experiment} --on-config-change restart",
-        "deps": [f"data/partitions/{exp.dataset}", "pfl_tasks/training.py", *map(str, code)],
-        "params": GLOBAL_KEYS + keys,
+        "deps": [*run_code_deps(params, experiment), *tuned],
+        "params": run_keys(params, raw, experiment),
         # the learning curves are data (the reports draw them): DVC's own plots would be Vega
         # charts that load their scripts from a CDN, blank offline
         "outs": [{f"models/{experiment}": {"persist": True}},
@@ -100,11 +122,14 @@ def stages(params_path: str = "params.yaml") -> dict:
             "params": ["seed", f"datasets.{dataset}", "experiments"],  # their seeds: one partition per seed
             "outs": [f"data/partitions/{dataset}"],
         }
+    for experiment in params.tuning:
+        out[stage_name("tune", experiment)] = tune_stage(params, raw, experiment)
     for experiment in params.experiments:
         out[stage_name("train", experiment)] = train_stage(params, raw, experiment)
     for experiment in params.learn2pfed:
         out[stage_name("learn2pfed", experiment)] = learn2pfed_stage(params, experiment)
-    reads = ["metrics"]  # every run's final metrics: the MLflow runs changed when these did
+    # every run's final metrics (the MLflow runs changed when these did) and the tuning choices
+    reads = ["metrics", *(str(tuning_path(Path("."), e)) for e in params.tuning)]
     if params.tables:
         out["tables"] = {  # the comparison tables: methods x experiments, from MLflow as compare
             "cmd": "python -m flows.tables", "deps": reads + list(map(str, run_code(ROOT / "flows/tables.py"))),

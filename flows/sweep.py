@@ -8,6 +8,8 @@ options or as JSON:
     python -m flows.sweep digits --algorithms ditto fedavg --set algorithms.ditto.mu=0.01,0.1,1
     python -m flows.sweep digits --algorithms fedavg ditto --set local.optimizer.lr=0.1,0.2 --name lr
     python -m flows.sweep digits --algorithms fedavg --seeds 7 8      # runs the params file does not configure
+    python -m flows.sweep mnist --algorithms fedavg ditto --set local.optimizer.lr=0.1,0.3,1 \
+        --set algorithms.ditto.mu=0.1,1 --per-method   # each method's best point on validation
     python -m flows.sweep '{"name": "lr", "experiment": "digits", "algorithms": ["fedavg", "ditto"],
                             "overrides": {"federation.rounds": 50}, "grid": {"local.optimizer.lr": [0.1, 0.2]}}'
 """
@@ -27,15 +29,15 @@ from pydantic import ValidationError
 
 from flows.pipeline import pipeline_flow
 from flows.stage import check_prefect_api, prefect_api, stage_main
+from flows.tune import SWEEPS
 from pfl_tasks.algorithms import validate_params
 from pfl_tasks.config import SweepConfig, load_params, parse_params
 from pfl_tasks.errors import ConfigError, RunStopped
 from pfl_tasks.files import atomic_write_text
 from pfl_tasks.grid import parse_assignment, sweep_params
-from pfl_tasks.reports import best_line, selection_metric, winner_on_validation
+from pfl_tasks.reports import best_line, best_per_method, interval, selection_metric, winner_on_validation
 from pfl_tasks.tracking import MlflowRun, open_store, tracking_uri
 
-SWEEPS = Path("sweeps")
 
 
 @flow(name="pfl-sweep", flow_run_name="sweep-{sweep.name}", persist_result=False)
@@ -59,6 +61,14 @@ def sweep_flow(sweep: SweepConfig, root: str = ".") -> dict:
         results[experiment] = {"ranking": ranking, "winner_on_validation": winner}
     if len(rankings) > 1:
         print(f"sweep {sweep.name}: every variant on every experiment: {root / 'reports' / 'markdown' / sweep.name}.md")
+    if sweep.per_method:
+        method_of = {name: entry.get("algorithm", name) for name, entry in raw["algorithms"].items()}
+        best = best_per_method(rankings, method_of)
+        for method, (experiment, r) in best.items():
+            print(f"sweep {sweep.name}: {method}: best on validation {r.method} in {experiment} ({r.val:.4f}); "
+                  f"its test {interval(r.personalized)}")
+        results["per_method"] = {method: {"experiment": e, "variant": r.method, "val": r.val}
+                                 for method, (e, r) in best.items()}
     return results
 
 
@@ -98,12 +108,16 @@ def record_choice(parent: MlflowRun, results: dict) -> None:
     """The sweep's choice on its MLflow parent run: tag `winner` (the variant best on validation,
     `ditto_mu0.1`), tag `selection_metric` (what it was chosen on) and that metric's value for
     the winner; a sweep of several experiments (a grid over another key) suffixes each key
-    with `/<experiment>`."""
-    for experiment, outcome in results.items():
+    with `/<experiment>`. With `per_method`, tag `winner/<method>`: its best variant on
+    validation, `<variant>@<experiment>`."""
+    experiments = {k: v for k, v in results.items() if k != "per_method"}
+    for method, choice in results.get("per_method", {}).items():
+        parent.log_params_and_tags({}, {f"winner/{method}": f"{choice['variant']}@{choice['experiment']}"})
+    for experiment, outcome in experiments.items():
         winner = outcome["winner_on_validation"]
         if winner is None:
             continue
-        suffix = f"/{experiment}" if len(results) > 1 else ""
+        suffix = f"/{experiment}" if len(experiments) > 1 else ""
         metric = selection_metric(winner.metric)
         parent.log_params_and_tags({}, {f"winner{suffix}": winner.method, f"selection_metric{suffix}": metric})
         parent.log_metrics({f"{metric}{suffix}": winner.val}, step=0)
@@ -136,13 +150,16 @@ def from_command_line(argv: list[str]) -> tuple[SweepConfig, str]:
                         help="a grid over a key (repeatable), e.g. algorithms.ditto.mu=0.01,0.1,1 or "
                              "local.optimizer.lr=0.1,0.2")
     parser.add_argument("--name", help="the sweep's name (default: from the --set keys, or 'runs')")
+    parser.add_argument("--per-method", action="store_true",
+                        help="also name each method's best point on validation (over its variants and every "
+                             "experiment of the grid), tagged winner/<method> on the parent run")
     args = parser.parse_args(argv)
     load_params(args.params).experiment(args.experiment)  # an unknown experiment names the choices
     grid = dict(parse_assignment(text) for text in args.set)
     name = args.name or "_".join(key.rsplit(".", 1)[-1] for key in grid) or "runs"
     try:
         sweep = SweepConfig(name=name, experiment=args.experiment, algorithms=args.algorithms, seeds=args.seeds,
-                            grid=grid, params_path=args.params)
+                            grid=grid, params_path=args.params, per_method=args.per_method)
     except ValidationError as err:
         first = err.errors()[0]
         raise ConfigError(f"--{first['loc'][0]} {getattr(args, str(first['loc'][0]), name)!r}: {first['msg']}") from None

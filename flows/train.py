@@ -39,6 +39,7 @@ from pfl_tasks.engine.steps import InlineSteps, Steps, play_rounds, run_round
 from pfl_tasks.errors import ConfigError
 from pfl_tasks.tracking import open_store, tracking_uri
 from pfl_tasks.training import check_inputs, finished_outcome, train_run
+from pfl_tasks.tuning import tuned
 
 # ----------------------------------------------------------------------------- round steps
 TASK_OPTIONS = dict(cache_policy=NO_CACHE, persist_result=False)
@@ -202,7 +203,7 @@ def train_flow(
     from prefect.runtime import flow_run
 
     params = validate_params(load_params(params_path))
-    exp = params.experiment(experiment).model_copy(update={"seed": seed})
+    exp = tuned(params, experiment, Path(root)).for_run(run_name, seed)
     return train_run(
         exp, run_name, exp.hyper[run_name], Path(root), prefect_steps(exp.engine), on_config_change,
         params.tracking, str(flow_run.id),
@@ -232,7 +233,7 @@ def train_experiment(
     """Every algorithm and seed of `experiment` (or the configured ones among `algorithms`,
     `seeds`), in this one process (one Prefect start); results keyed by (algorithm, seed)."""
     params = validate_params(load_params(params_path))
-    exp = params.experiment(experiment)
+    exp = tuned(params, experiment, Path(root))
     for key, asked, configured in (("algorithms", algorithms, exp.algorithms), ("seeds", seeds, exp.seeds)):
         unlisted = sorted(set(asked or []) - set(configured))
         if unlisted:
@@ -244,7 +245,7 @@ def train_experiment(
             for seed in exp.seeds if seeds is None or seed in seeds]
     todo = []
     for run_name, seed in runs:
-        outcome = finished_outcome(exp.model_copy(update={"seed": seed}), run_name, exp.hyper[run_name], Path(root))
+        outcome = finished_outcome(exp.for_run(run_name, seed), run_name, exp.hyper[run_name], Path(root))
         if outcome is None:
             todo.append((run_name, seed))
         else:
@@ -268,7 +269,7 @@ def train_experiment(
                 )
             else:
                 results[run_name, seed] = train_run(
-                    exp.model_copy(update={"seed": seed}), run_name, exp.hyper[run_name],
+                    exp.for_run(run_name, seed), run_name, exp.hyper[run_name],
                     Path(root), InlineSteps(exp.engine.max_workers), on_config_change, params.tracking,
                 )
     if todo:

@@ -376,6 +376,24 @@ class TableConfig(Strict):
     methods: list[str] | None = None  # row order; None: every method found
 
 
+class RunOverride(Strict):
+    """One run's own budget or local training within its experiment (L2SGD's rounds are single
+    steps; a tuned learning rate): overrides of the experiment's sections."""
+
+    federation: dict[str, Any] = {}
+    local: dict[str, Any] = {}
+
+
+class TuningConfig(Strict):
+    """The `tune-<experiment>` stage: each method's local learning rate and key hyper-parameters
+    chosen on validation (pfl_tasks/tuning.py), on one seed at a fraction of the rounds."""
+
+    seed: Seed | None = None  # None: the experiment's first
+    rounds_fraction: Annotated[float, Field(gt=0, le=1, strict=True)] = 0.5
+    lr: Annotated[list[PositiveFloat], Field(min_length=1)]  # local.optimizer.lr, for every method that uses it
+    hyper: dict[Name, dict[str, Annotated[list[Any], Field(min_length=1)]]] = {}  # run -> {hyper-parameter: values}
+
+
 class ExperimentConfig(Strict):
     dataset: str
     model: NetConfig
@@ -386,6 +404,7 @@ class ExperimentConfig(Strict):
     federation: dict[str, Any] = {}  # overrides of the top-level section
     local: dict[str, Any] = {}
     algorithm_overrides: dict[Name, AlgorithmEntry] = {}  # run name -> its hyper-parameters here
+    run_overrides: dict[Name, RunOverride] = {}  # run name -> its own federation and local overrides
 
     @field_validator("seeds")
     @classmethod
@@ -411,6 +430,15 @@ class ResolvedExperiment(Strict):
     federation: FederationConfig
     local: LocalConfig
     engine: EngineConfig
+    run_overrides: dict[str, RunOverride] = {}
+
+    def for_run(self, run_name: str, seed: int | None = None) -> ResolvedExperiment:
+        """This experiment as run `run_name` (of seed `seed`) trains it: its own overrides applied."""
+        own = self.run_overrides.get(run_name, RunOverride())
+        sections = {key: _section(model, getattr(self, key).model_dump(), getattr(own, key),
+                                  f"experiments.{self.name}.run_overrides.{run_name}.{key}")
+                    for key, model in (("federation", FederationConfig), ("local", LocalConfig))}
+        return self.model_copy(update={**sections, "seed": self.seed if seed is None else seed})
 
 
 class SweepConfig(Strict):
@@ -430,6 +458,7 @@ class SweepConfig(Strict):
     grid: dict[str, Annotated[list[Any], Field(min_length=1)]] = {}
     params_path: str = "params.yaml"
     tags: dict[str, str] = {}  # on every MLflow run of the sweep (e.g. its grid's parent run)
+    per_method: Bool = False  # also each method's best variant on validation, over every experiment
 
     @property
     def experiment_name(self) -> str:
@@ -448,6 +477,7 @@ class Params(Strict):
     # an experiment may also list a registered algorithm absent here: it runs at its defaults
     algorithms: dict[Name, AlgorithmEntry] = {}
     learn2pfed: dict[Name, Learn2pFedConfig] = {}  # experiment name -> downstream stage
+    tuning: dict[Name, TuningConfig] = {}  # experiment name -> its `tune-<experiment>` stage
     tables: dict[Name, TableConfig] = {}
 
     @model_validator(mode="after")
@@ -460,9 +490,16 @@ class Params(Strict):
                 )
             if exp.algorithms is None and not self.algorithms:
                 raise ValueError(f"experiments.{name}.algorithms: none listed, and 'algorithms' is empty")
-            strays = sorted(set(exp.algorithm_overrides) - set(exp.algorithms or self.algorithms))
+            for key in ("algorithm_overrides", "run_overrides"):
+                strays = sorted(set(getattr(exp, key)) - set(exp.algorithms or self.algorithms))
+                if strays:
+                    raise ValueError(f"experiments.{name}.{key}: {strays} are not among its algorithms")
+        for name, tuning in self.tuning.items():
+            if name not in self.experiments:
+                raise ValueError(f"tuning.{name}: no such experiment (have: {sorted(self.experiments)})")
+            strays = sorted(set(tuning.hyper) - set(self.experiments[name].algorithms or self.algorithms))
             if strays:
-                raise ValueError(f"experiments.{name}.algorithm_overrides: {strays} are not among its algorithms")
+                raise ValueError(f"tuning.{name}.hyper: {strays} are not among experiments.{name}'s algorithms")
         return self
 
     def partition_seeds(self, dataset: str) -> list[int]:
@@ -475,19 +512,12 @@ class Params(Strict):
         if name not in self.experiments:
             raise ConfigError(f"unknown experiment '{name}'; have: {sorted(self.experiments)}")
         exp = self.experiments[name]
-        sections = {}
-        for key, model, base in (
-            ("federation", FederationConfig, self.federation),
-            ("local", LocalConfig, self.local),
-        ):
-            override = getattr(exp, key)
-            base_values = base.model_dump(exclude_unset=True)
-            if "steps" in override or "epochs" in override:  # one local budget replaces the other
-                base_values = {k: v for k, v in base_values.items() if k not in ("steps", "epochs")}
-            merged = _deep_merge(base_values, override)
-            sections[key] = _validate(model, merged, prefix=f"experiments.{name}.{key}")
+        sections = {key: _section(model, base.model_dump(exclude_unset=True), getattr(exp, key),
+                                  f"experiments.{name}.{key}")
+                    for key, model, base in (("federation", FederationConfig, self.federation),
+                                             ("local", LocalConfig, self.local))}
         algorithms = exp.algorithms or list(self.algorithms)
-        return ResolvedExperiment(
+        resolved = ResolvedExperiment(
             name=name,
             seed=(exp.seeds or [self.seed])[0],
             seeds=exp.seeds or [self.seed],
@@ -497,8 +527,19 @@ class Params(Strict):
             hyper={run: _deep_merge(self.algorithms.get(run, {}), exp.algorithm_overrides.get(run, {}))
                    for run in algorithms},
             engine=self.engine,
+            run_overrides=exp.run_overrides,
             **sections,
         )
+        for run in exp.run_overrides:  # an ill-typed override names its key now, not when its run starts
+            resolved.for_run(run)
+        return resolved
+
+
+def _section(model: type[BaseModel], base_values: dict, override: dict, prefix: str) -> BaseModel:
+    """A section's values with an override merged in (one local budget replaces the other), validated."""
+    if "steps" in override or "epochs" in override:
+        base_values = {k: v for k, v in base_values.items() if k not in ("steps", "epochs")}
+    return _validate(model, _deep_merge(base_values, override), prefix=prefix)
 
 
 def _deep_merge(base: dict, override: dict) -> dict:

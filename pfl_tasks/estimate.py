@@ -58,14 +58,14 @@ def estimate(params: Params, experiment: str, rounds: int = 3,
     """The platform it was measured on, and each algorithm's estimate from `rounds` timed rounds;
     `progress` gets a line as each algorithm starts."""
     exp = params.experiment(experiment)
-    seed, fed_cfg = exp.seeds[0], exp.federation
+    seed = exp.seeds[0]
     data = built_partition(exp.dataset, params.datasets[exp.dataset], seed)
-    evaluations = len(set(range(fed_cfg.eval_every, fed_cfg.rounds + 1, fed_cfg.eval_every)) | {fed_cfg.rounds})
-    run, steps = exp.model_copy(update={"seed": seed}), InlineSteps(exp.engine.max_workers)
+    steps = InlineSteps(exp.engine.max_workers)
     out, platform = [], ""
     for number, name in enumerate(exp.algorithms, 1):
         progress(f"{experiment}: timing {name} ({number} of {len(exp.algorithms)}): a warm-up round, "
                  f"{rounds} timed rounds and an evaluation")
+        run = exp.for_run(name, seed)
         fed = Federation(run, build(name, exp.hyper[name]), data)
         platform = describe(fed.platform)
         state, times = steps.round(fed, fed.initial_state(), 0), []  # a warm-up round first
@@ -76,6 +76,8 @@ def estimate(params: Params, experiment: str, rounds: int = 3,
         start = time.perf_counter()
         fed.evaluate(state)
         evaluation_s = time.perf_counter() - start
+        fed_cfg = run.federation
+        evaluations = len(set(range(fed_cfg.eval_every, fed_cfg.rounds + 1, fed_cfg.eval_every)) | {fed_cfg.rounds})
         out.append(Estimate(name, tuple(times), evaluation_s, len(exp.seeds), fed_cfg.rounds, evaluations))
     return platform, out
 

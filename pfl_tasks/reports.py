@@ -8,7 +8,10 @@ The protocol (README, "How methods are compared"): a method's score is the test 
 personalized model at the round selected on validation, per client; the cell is the mean over
 seeds of the client mean, with a 95% CI from a two-level bootstrap (seeds, then clients). The
 best method is compared with each other one by a paired test over clients (`stats.TEST_NAME`);
-methods it cannot tell apart at ALPHA are marked. A diverged run, or one that aggregated too few
+methods it cannot tell apart at ALPHA are marked. The same runs at the same rounds are also
+scored sample-weighted (all correct over all test samples: published tables' statistic), with
+its own CIs and tests, and a method whose verdict (against FedAvg, or in the top group) differs
+between the two statistics is flagged (`flips`). A diverged run, or one that aggregated too few
 of its rounds (MIN_AGGREGATED), is listed, never ranked.
 """
 
@@ -31,7 +34,7 @@ from pfl_tasks.files import atomic_write, atomic_write_text, remove_stale_tempor
 from pfl_tasks.outputs import pinned_run
 from pfl_tasks.runs import RunPaths
 from pfl_tasks.selection import PLATEAU_TOLERANCE
-from pfl_tasks.stats import TEST_NAME, holm, mean_ci, paired_pvalue
+from pfl_tasks.stats import TEST_NAME, WEIGHTED_TEST_NAME, holm, mean_ci, paired_pvalue, paired_weighted_pvalue
 from pfl_tasks.tracking import local_artifact_dir, sqlite_path
 
 ALPHA = 0.05
@@ -171,6 +174,11 @@ class MethodResult:
     # seed -> (rounds aggregated, rounds run) of its finished runs that count their skipped rounds
     aggregated: dict[int, tuple[int, int]] = field(default_factory=dict)
     test_selected: float | None = None  # `test_selected`: for published numbers only, ranks nothing
+    # the same selected rounds, sample-weighted: seed -> each client's test samples (aligned
+    # with `clients`), the interval, and the Holm-adjusted p-value against the weighted best
+    sizes: dict[int, np.ndarray] = field(default_factory=dict)
+    weighted: Interval | None = None
+    p_vs_best_weighted: float | None = None
 
     @property
     def too_few_rounds(self) -> list[tuple[int, int, int]]:
@@ -182,8 +190,12 @@ class MethodResult:
     def ranked(self) -> bool:
         return not self.diverged and not self.too_few_rounds and self.personalized is not None
 
-    def indistinguishable(self) -> bool:
-        return self.p_vs_best is not None and self.p_vs_best >= ALPHA
+    def indistinguishable(self, weighted: bool = False) -> bool:
+        p = self.p_vs_best_weighted if weighted else self.p_vs_best
+        return p is not None and p >= ALPHA
+
+    def score(self, weighted: bool = False) -> Interval | None:
+        return self.weighted if weighted else self.personalized
 
 
 def clients_table(client, run_id: str) -> pd.DataFrame | None:
@@ -222,6 +234,8 @@ def method_result(client, method: str, by_seed: dict[int, object], metric: str) 
     hashes = {s: r.data.tags.get("data_hash", "") for s, r in finished.items()}
     personal = _per_partition({s: t[f"test_personalized_{metric}"].to_numpy() for s, t in tables.items()
                                if t is not None}, hashes)
+    sizes = _per_partition({s: t["n_test"].to_numpy(dtype=float) for s, t in tables.items()
+                            if t is not None and "n_test" in t}, hashes)
     shared = _per_partition({s: t[f"test_global_{metric}"].to_numpy() for s, t in tables.items()
                              if t is not None and f"test_global_{metric}" in t}, hashes)
     complete = all(t is not None for t in tables.values())
@@ -242,6 +256,9 @@ def method_result(client, method: str, by_seed: dict[int, object], metric: str) 
                         int(r.data.metrics["final/round"]))
                     for s, r in finished.items() if "final/rounds/skipped" in r.data.metrics},
         test_selected=test_selected(client, [r.info.run_id for r in runs], metric),
+        sizes=sizes,
+        weighted=(mean_ci(list(personal.values()), weights=[sizes[s] for s in personal])
+                  if personal and complete and set(sizes) == set(personal) else None),
     )
 
 
@@ -253,22 +270,81 @@ def _per_partition(values: dict[int, np.ndarray], hashes: dict[int, str]) -> dic
     return values
 
 
+def ordered(results: list[MethodResult], weighted: bool = False) -> list[MethodResult]:
+    """The ranked methods best first by one statistic's point estimate (those with it)."""
+    sign = -1 if results and HIGHER_IS_BETTER[results[0].metric] else 1
+    return sorted((r for r in results if r.ranked and r.score(weighted) is not None),
+                  key=lambda r: (sign * r.score(weighted)[0], r.method))
+
+
+def _p_values(ranked: list[MethodResult], weighted: bool) -> dict[str, float]:
+    """Holm-adjusted p-values of the best (first) against each other, over their common seeds."""
+    best, raw = ranked[0], {}
+    for r in ranked[1:]:
+        common = sorted(s for s in set(best.clients) & set(r.clients) if best.data_hashes[s] == r.data_hashes[s])
+        if not common:
+            continue
+        a, b = [best.clients[s] for s in common], [r.clients[s] for s in common]
+        raw[r.method] = (paired_weighted_pvalue(a, b, [best.sizes[s] for s in common]) if weighted
+                         else paired_pvalue(a, b))
+    return holm(raw)
+
+
 def summarize(client, newest: dict[str, dict[int, object]], metric: str) -> list[MethodResult]:
-    """Every method, the ranked ones best first (by the point estimate), then the unranked;
-    each ranked method but the best carries its Holm-adjusted p-value against the best."""
+    """Every method, the ranked ones best first (by the client mean's point estimate), then the
+    unranked; each ranked method but the best carries its Holm-adjusted p-value against the
+    best, and likewise against the best by the sample-weighted statistic."""
     results = [method_result(client, m, by_seed, metric) for m, by_seed in newest.items()]
-    sign = -1 if HIGHER_IS_BETTER[metric] else 1
-    ranked = sorted((r for r in results if r.ranked), key=lambda r: (sign * r.personalized[0], r.method))
+    for weighted, key in ((False, "p_vs_best"), (True, "p_vs_best_weighted")):
+        ranked = ordered(results, weighted)
+        if len(ranked) > 1:
+            adjusted = _p_values(ranked, weighted)
+            results = [replace(r, **{key: adjusted[r.method]}) if r.method in adjusted else r for r in results]
+    by_method = {r.method: r for r in results}
     unranked = sorted((r for r in results if not r.ranked), key=lambda r: r.method)
-    if len(ranked) > 1:
-        best, raw = ranked[0], {}
-        for r in ranked[1:]:
-            common = sorted(s for s in set(best.clients) & set(r.clients) if best.data_hashes[s] == r.data_hashes[s])
-            if common:
-                raw[r.method] = paired_pvalue([best.clients[s] for s in common], [r.clients[s] for s in common])
-        adjusted = holm(raw)
-        ranked = [ranked[0]] + [replace(r, p_vs_best=adjusted.get(r.method)) for r in ranked[1:]]
-    return ranked + unranked
+    return [by_method[r.method] for r in ordered(results)] + unranked
+
+
+REFERENCE = "fedavg"  # the baseline whose global model every verdict is read against
+
+
+def verdicts(results: list[MethodResult], weighted: bool) -> dict[str, tuple[str, bool]]:
+    """method -> (its side of FedAvg: 'above', 'below' or 'level' by the point estimate, or
+    '' without a FedAvg row; whether it is in the top group), by one statistic."""
+    ranked = ordered(results, weighted)
+    if not ranked:
+        return {}
+    reference = next((r for r in ranked if r.method == REFERENCE), None)
+    higher = HIGHER_IS_BETTER[ranked[0].metric]
+    out = {}
+    for r in ranked:
+        side = ""
+        if reference is not None and r is not reference:
+            gap = r.score(weighted)[0] - reference.score(weighted)[0]
+            side = "level" if gap == 0 else "above" if (gap > 0) == higher else "below"
+        out[r.method] = side, r is ranked[0] or r.indistinguishable(weighted)
+    return out
+
+
+def flips(results: list[MethodResult]) -> dict[str, str]:
+    """method -> a sentence, for each method whose verdict differs between the client mean and
+    the sample-weighted statistic: its side of FedAvg's global model, or its place in the top group."""
+    by_mean, by_weight = verdicts(results, False), verdicts(results, True)
+    by_method = {r.method: r for r in results}
+    out = {}
+    for method in by_mean.keys() & by_weight.keys():
+        (side, top), (w_side, w_top) = by_mean[method], by_weight[method]
+        said = []
+        if side and w_side and side != w_side:
+            r, ref = by_method[method], by_method[REFERENCE]
+            said.append(f"it is {side} FedAvg on the client mean ({r.personalized[0] - ref.personalized[0]:+.4f}) "
+                        f"but {w_side} it sample-weighted ({r.weighted[0] - ref.weighted[0]:+.4f})")
+        if top != w_top:
+            said.append(f"it is {'in' if top else 'out of'} the top group on the client mean but "
+                        f"{'in' if w_top else 'out of'} it sample-weighted")
+        if said:
+            out[method] = "; ".join(said)
+    return dict(sorted(out.items()))
 
 
 def winner_on_validation(results: list[MethodResult]) -> MethodResult | None:
@@ -281,6 +357,21 @@ def winner_on_validation(results: list[MethodResult]) -> MethodResult | None:
     return pick(scored, key=lambda r: r.val)
 
 
+def best_per_method(rankings: dict[str, list[MethodResult]], method_of: dict[str, str]) -> dict[str, tuple[str, MethodResult]]:
+    """method -> (experiment, variant) best on validation among its variants (`method_of`:
+    variant -> method) over every experiment of a sweep: each method tuned, never on test."""
+    candidates: dict[str, list[tuple[str, MethodResult]]] = {}
+    for experiment, results in rankings.items():
+        for r in results:
+            if r.ranked and r.val is not None:
+                candidates.setdefault(method_of.get(r.method, r.method), []).append((experiment, r))
+    out = {}
+    for method, found in sorted(candidates.items()):
+        pick = max if HIGHER_IS_BETTER[found[0][1].metric] else min
+        out[method] = pick(found, key=lambda pair: pair[1].val)
+    return out
+
+
 # ----------------------------------------------------------------------------- formatting
 def interval(value: Interval | None) -> str:
     if value is None:
@@ -289,11 +380,12 @@ def interval(value: Interval | None) -> str:
     return f"{point:.4f} [{low:.4f}, {high:.4f}]"
 
 
-def marks(result: MethodResult, chosen: bool) -> str:
-    """≈: not significantly different from the best; †: its personalized model is the global one;
-    ✓: `chosen`, the best on validation (`winner_on_validation`)."""
-    return (("≈" if result.indistinguishable() else "") + ("†" if result.global_only else "")
-            + ("✓" if chosen else ""))
+def marks(result: MethodResult, chosen: bool, flipped: bool = False, weighted: bool = False) -> str:
+    """≈: not significantly different from the best (by the statistic `weighted` says); †: its
+    personalized model is the global one; ✓: `chosen`, the best on validation
+    (`winner_on_validation`); ⚑: `flipped`, its verdict differs between the statistics (`flips`)."""
+    return (("≈" if result.indistinguishable(weighted) else "") + ("†" if result.global_only else "")
+            + ("✓" if chosen else "") + ("⚑" if flipped else ""))
 
 
 def unranked_note(result: MethodResult) -> str:
@@ -321,15 +413,16 @@ def _plateau(result: MethodResult) -> str:
     return f"{sum(result.plateaued)}/{len(result.plateaued)}"
 
 
-def best_line(results: list[MethodResult]) -> str:
-    """What a console line may claim of a ranking: a best method only when it is significantly
-    better than every other, else the top group (it and every method marked ≈); and, when not
-    every run plateaued on validation, that the ranking may be premature."""
-    ranked = [r for r in results if r.ranked]
+def best_line(results: list[MethodResult], weighted: bool = False) -> str:
+    """What a console line may claim of a ranking (by the client mean, or `weighted`): a best
+    method only when it is significantly better than every other, else the top group (it and
+    every method marked ≈); and, when not every run plateaued on validation, that the ranking
+    may be premature."""
+    ranked = ordered(results, weighted)
     if not ranked:
         return "none ranked"
-    group = [ranked[0], *(r for r in ranked[1:] if r.indistinguishable())]
-    named = ", ".join(f"{r.method} ({r.personalized[0]:.4f})" for r in group)
+    group = [ranked[0], *(r for r in ranked[1:] if r.indistinguishable(weighted))]
+    named = ", ".join(f"{r.method} ({r.score(weighted)[0]:.4f})" for r in group)
     line = f"best {named}" if len(group) == 1 else f"top group (not significantly different): {named}"
     verdicts = [reached for r in ranked for reached in r.plateaued]
     if not all(verdicts):
@@ -345,12 +438,25 @@ def protocol_lines() -> list[str]:
         f"≈: not significantly different from the best ({TEST_NAME}, α = {ALPHA}). "
         "†: the \"personalized\" model is the global model. "
         "✓: the best on validation (the same mean on the validation splits): what a sweep selects. "
+        "⚑: its verdict (above or below FedAvg's global model, in or out of the top group) differs between "
+        "the client mean and the sample-weighted statistic (the second table, and the sentences under it). "
         f"Diverged runs, and runs that aggregated fewer than {MIN_AGGREGATED:.0%} of their rounds (in the others "
         "no sampled client reported), are listed, not ranked.",
     ]
 
 
-def markdown(experiment: str, metric: str, results: list[MethodResult], figures: dict[str, str]) -> str:
+STATISTICS_NOTE = (
+    "Two statistics of the same runs at the same validation-selected rounds. The table above ranks by the client "
+    "mean: each client's accuracy counts once, as each client is a user of its own personalized model, which "
+    "is what personalization promises. Published tables (PFLlib's among them) weight clients by their test "
+    "samples (all correct over all test samples), which lets the largest clients decide: under label skew "
+    "they hold few labels and do well locally, while small clients do not. Neither is wrong, so both are "
+    "shown, and a method whose verdict changes between them is marked ⚑."
+)
+
+
+def markdown(experiment: str, metric: str, results: list[MethodResult], figures: dict[str, str],
+             tuning: dict | None = None) -> str:
     tolerance = f"{PLATEAU_TOLERANCE['acc']} accuracy" if metric == "acc" else f"{PLATEAU_TOLERANCE['mse']:.0%} of the MSE"
     lines = [
         f"# {experiment}: comparison",
@@ -359,31 +465,85 @@ def markdown(experiment: str, metric: str, results: list[MethodResult], figures:
         f"Plateaued: seeds whose mean validation metric over the last fifth of the rounds gained less than "
         f"{tolerance} on the fifth before. Rounds aggregated: per seed, the rounds in which a sampled client "
         "reported, of the rounds run. Compute: samples × forward-backward passes over all clients, the whole run (+ one "
-        "evaluation's personalization). Communication: bytes up and down, the whole run. Runs: the newest "
+        "evaluation's personalization; + tuning: every grid point the method was tuned over, below). Communication: "
+        "bytes up and down, the whole run. Runs: the newest "
         f"finished or diverged run of each configured method and seed in MLflow experiment `{experiment}`.",
         "",
         "| rank | method | seeds | validation | personalized, test (95% CI) | global, test (95% CI) "
         "| worst 10% of clients | selected rounds | rounds aggregated | plateaued | compute | + per evaluation "
-        "| communication |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| + tuning | communication |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    chosen = winner_on_validation(results)
+    chosen, flipped = winner_on_validation(results), flips(results)
+    tuning_cost = {m: e.get("grad_samples") for m, e in (tuning or {}).get("methods", {}).items()}
     for i, r in enumerate((r for r in results if r.ranked), 1):
         lines.append(
-            f"| {i} | {r.method}{marks(r, r is chosen)} | {len(r.seeds)} "
+            f"| {i} | {r.method}{marks(r, r is chosen, r.method in flipped)} | {len(r.seeds)} "
             f"| {'–' if r.val is None else f'{r.val:.4f}'} | {interval(r.personalized)} | {interval(r.global_)} "
             f"| {'–' if r.worst10 is None else f'{r.worst10:.4f}'} | {', '.join(map(str, r.selected_rounds)) or '–'} "
             f"| {_aggregated(r)} | {_plateau(r)} | {_count(r.grad_samples, 1e6, 'M')} "
-            f"| {_count(r.eval_grad_samples, 1e6, 'M')} | {_count(r.comm_bytes, 2**20, ' MiB')} |"
+            f"| {_count(r.eval_grad_samples, 1e6, 'M')} | {_count(tuning_cost.get(r.method), 1e6, 'M')} "
+            f"| {_count(r.comm_bytes, 2**20, ' MiB')} |"
         )
     unranked = [r for r in results if not r.ranked]
     if unranked:
         lines += ["", "Not ranked:", ""]
         lines += [f"- {r.method}: {unranked_note(r)}" for r in unranked]
+    lines += weighted_lines(results, flipped)
+    lines += tuning_lines(tuning)
     lines += test_selected_lines(results)
     lines.append("")
     lines += [f"![{caption}]({path})\n" for caption, path in figures.items()]
     return "\n".join(lines)
+
+
+def weighted_lines(results: list[MethodResult], flipped: dict[str, str]) -> list[str]:
+    """The second statistic's table, ranked by it with its own CIs and tests, then a sentence
+    for each method whose verdict flips between the two."""
+    ranked = ordered(results, weighted=True)
+    if not ranked:
+        return []
+    lines = ["", "## Sample-weighted, validation-selected", "", STATISTICS_NOTE, "",
+             "The same runs at the same selected rounds, scored as all correct over all test samples of each "
+             f"seed (MSE: weighted by test samples), mean over seeds, with a 95% CI (two-level bootstrap). ≈: not "
+             f"significantly different from this table's best ({WEIGHTED_TEST_NAME}, α = {ALPHA}).", "",
+             "| rank | method | sample-weighted, test (95% CI) | client mean, test | rank by client mean |",
+             "|---|---|---|---|---|"]
+    by_mean = {r.method: i for i, r in enumerate(ordered(results), 1)}
+    for i, r in enumerate(ranked, 1):
+        lines.append(f"| {i} | {r.method}{marks(r, False, r.method in flipped, weighted=True)} "
+                     f"| {interval(r.weighted)} | {r.personalized[0]:.4f} | {by_mean.get(r.method, '–')} |")
+    lines += ["", "Where the verdict flips between the statistics:", ""]
+    lines += [f"- ⚑ {method}: {sentence}." for method, sentence in flipped.items()] or ["- nowhere."]
+    return lines
+
+
+def _value(value) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def tuning_lines(tuning: dict | None) -> list[str]:
+    """Each method's grid and choice (`pfl_tasks.tuning`), a choice at a grid's edge marked."""
+    if not tuning:
+        return []
+    lines = ["", "## Tuning, on validation", "",
+             f"Each method's values above were chosen on seed {tuning['seed']}'s validation splits at "
+             f"{tuning['rounds_fraction']:.0%} of its rounds (`{tuning['selected_on']}` at its selected round; the "
+             f"test split is not read), over the grid below (`tuning/{tuning['experiment']}.json`, stage "
+             f"`tune-{tuning['experiment']}`: {tuning['seconds'] / 60:.1f} min of training on the machine that "
+             "ran it). ◆: the choice is at the grid's edge, so the best may lie beyond it.", "",
+             "| method | grid | chosen | validation | points finished |", "|---|---|---|---|---|"]
+    for method, entry in tuning["methods"].items():
+        grid = "; ".join(f"{key.removeprefix('local.optimizer.')} {', '.join(map(_value, values))}"
+                         for key, values in entry["grid"].items())
+        chosen = ("none finished: the configured values" if entry["chosen"] is None else
+                  ", ".join(f"{key.removeprefix('local.optimizer.')} {_value(v)}{' ◆' if key in entry['at_edge'] else ''}"
+                            for key, v in entry["chosen"].items()))
+        finished = sum(not isinstance(v, str) for v in entry["points"].values())
+        val = entry["val"]
+        lines.append(f"| {method} | {grid} | {chosen} | {'–' if val is None else f'{val:.4f}'} "
+                     f"| {finished}/{len(entry['points'])} |")
+    return lines
 
 
 def test_selected_lines(results: list[MethodResult]) -> list[str]:
@@ -392,7 +552,7 @@ def test_selected_lines(results: list[MethodResult]) -> list[str]:
     shown = [r for r in results if r.ranked and r.test_selected is not None]
     if not shown:
         return []
-    return ["", "## Test-selected, for comparison with published numbers only", "",
+    return ["", "## Test-selected and sample-weighted, for comparison with published numbers only", "",
             "PFLlib's leaderboard (and many papers) report each method's best round chosen on the test split. "
             "That number is below, for comparing with them: the personalized test metric weighted by the "
             "clients' test samples, at each run's best evaluation on test, mean over seeds. It is selected on "
@@ -547,7 +707,7 @@ FIGURES = (  # file name, builder, caption
 
 
 def write_report(client, experiment: str, report_dir: Path, figure_dir: Path,
-                 only: dict[tuple[str, int], str | None] | None = None) -> list[MethodResult]:
+                 only: dict[tuple[str, int], str | None] | None = None, tuning: dict | None = None) -> list[MethodResult]:
     """`report_dir/<experiment>.md` and its PNGs in `figure_dir`, after removing what a killed
     writer left of their temporaries (call as their one writer); returns the ranking."""
     remove_stale_temporaries(report_dir / f"{experiment}.md",
@@ -562,5 +722,5 @@ def write_report(client, experiment: str, report_dir: Path, figure_dir: Path,
             png = figure_dir / f"{experiment}-{name}.png"
             _save(fig, png)
             figures[caption] = Path(os.path.relpath(png, report_dir)).as_posix()
-    atomic_write_text(report_dir / f"{experiment}.md", markdown(experiment, metric, results, figures))
+    atomic_write_text(report_dir / f"{experiment}.md", markdown(experiment, metric, results, figures, tuning))
     return results

@@ -41,7 +41,7 @@ def run_identity(exp: ResolvedExperiment, run_name: str, raw_hp: dict, data_hash
     left out (a longer run continues a shorter one), and so is the engine (another executor or
     chunking computes the same numbers up to rounding)."""
     config = {
-        "experiment": exp.model_dump(mode="json", exclude={"engine", "algorithms", "hyper", "seeds"}),
+        "experiment": exp.model_dump(mode="json", exclude={"engine", "algorithms", "hyper", "seeds", "run_overrides"}),
         "algorithm": hyper_parameters(run_name, raw_hp, defaults=False),
         "data": data_hash,
         "code": code_hash(numeric_code(source_file(run_name, raw_hp))),
@@ -101,9 +101,9 @@ def check_inputs(exp: ResolvedExperiment, runs: list[tuple[str, int]], root: Pat
         paths = RunPaths.of(root, exp.name, run_name, seed)
         paths.check_writable()
         if on_config_change == "refuse":  # then every problem of a checkpoint is an error
-            identity = run_identity(exp.model_copy(update={"seed": seed}), run_name, exp.hyper[run_name],
-                                    data.manifest_hash)
-            resume_point(paths.checkpoint, identity, exp.federation.rounds, on_config_change)
+            run = exp.for_run(run_name, seed)
+            identity = run_identity(run, run_name, exp.hyper[run_name], data.manifest_hash)
+            resume_point(paths.checkpoint, identity, run.federation.rounds, on_config_change)
         elif paths.checkpoint.exists():
             load_checkpoint(paths.checkpoint, {"experiment": exp.name, "algorithm": run_name})
 
@@ -131,7 +131,7 @@ def train_run(
             state = fed.restore(ckpt["round"], ckpt["server"], ckpt["clients"])
             history, tables, spent, skipped = ckpt["history"], ckpt["tables"], ckpt["spent"], ckpt["skipped"]
             print(f"{run.label}: resuming from round {state.round}")
-        run.track(exp.name, flatten({"experiment": exp.model_dump(mode="json", exclude={"hyper"}),
+        run.track(exp.name, flatten({"experiment": exp.model_dump(mode="json", exclude={"hyper", "run_overrides"}),
                                      "algorithm": hyper_parameters(run_name, raw_hp)}),
                   {**run_tags(exp, data.task, data.partition, run_name, fed.algorithm.name, fed.algorithm.citation,
                               data.manifest_hash, identity["config_hash"], flow_run_id),

@@ -52,6 +52,7 @@ def repo_copy(tmp_path_factory):
     data["tables"] = {"tiny": {"experiments": ["tiny"]}}
     data["experiments"]["tiny"]["algorithms"] = ["local", "fedavg", "fedprox", "ditto"]
     data["experiments"]["other"] = {"dataset": "digits", "model": {"kind": "linear"}, "algorithms": ["fedavg"]}
+    data["tuning"] = {"other": {"lr": [0.05, 0.5]}}
     (dst / "params.yaml").write_text(yaml.safe_dump(listing_defaults(data)))
     (dst / "dvc.yaml").write_text(dvc_yaml(str(dst / "params.yaml")))  # as make run writes it
     env = {
@@ -77,6 +78,12 @@ def test_dvc_repro_runs_caches_and_reruns_only_what_changed(repo_copy):
     dvc = [sys.executable, "-m", "dvc"]
     out = sh([*dvc, "repro"], root, env)
     assert "Running stage 'prepare-digits'" in out and "Running stage 'train-tiny'" in out
+    assert "Running stage 'tune-other'" in out
+    tuning = json.loads((root / "tuning/other.json").read_text())["methods"]["fedavg"]
+    assert sorted(tuning["points"]) == ["fedavg_lr0.05", "fedavg_lr0.5"]
+    chosen = max(tuning["points"], key=tuning["points"].get)
+    assert tuning["chosen"] == {"local.optimizer.lr": float(chosen.removeprefix("fedavg_lr"))}
+    assert "## Tuning, on validation" in (root / "reports/compare/other.md").read_text()
     assert (root / "data/partitions/digits/seed-0/manifest.json").exists()
     for alg in ("local", "fedavg", "fedprox", "ditto"):
         assert (root / f"models/tiny/{alg}/seed-0/checkpoint.pt").exists()
@@ -118,9 +125,22 @@ def test_dvc_repro_runs_caches_and_reruns_only_what_changed(repo_copy):
     assert stale(root, env) == {"train-tiny", "tables", "compare"}  # not train-other
     selection = root / "pfl_tasks/selection.py"  # which evaluation every run reports
     selection.write_text(selection.read_text() + "# an edit\n")
-    assert stale(root, env) == {"train-tiny", "train-other", "learn2pfed-tiny", "tables", "compare"}
+    assert stale(root, env) == {"tune-other", "train-tiny", "train-other", "learn2pfed-tiny", "tables", "compare"}
     sh(["git", "checkout", "-q", "--", "pfl_tasks", "flows"], root, env)
     assert not stale(root, env)
+
+
+def test_a_fresh_clone_reuses_the_committed_tuning(repo_copy, tmp_path):
+    """The tuning's choices are committed (cache: false): a clone whose partition is rebuilt
+    finds tune-other up to date, so `dvc repro` there does not retune."""
+    root, env = repo_copy
+    sh(["git", "add", "-A"], root, env)
+    sh(["git", "commit", "-qm", "after repro", "--allow-empty"], root, env)
+    clone = tmp_path / "clone"
+    sh(["git", "clone", "-q", str(root), str(clone)], tmp_path, env)
+    assert (clone / "tuning/other.json").read_text() == (root / "tuning/other.json").read_text()
+    sh([sys.executable, "-m", "dvc", "repro", "prepare-digits"], clone, env)
+    assert "tune-other" not in stale(clone, env) and "train-other" in stale(clone, env)
 
 
 def stale(root: Path, env: dict) -> set[str]:
@@ -145,7 +165,7 @@ def test_dvc_exp_run_with_set_param(repo_copy):
     sh(["git", "add", "-A"], root, env)
     sh(["git", "commit", "-qm", "after repro", "--allow-empty"], root, env)
     out = sh([sys.executable, "-m", "dvc", "exp", "run", "-n", "rounds4", "-S", "federation.rounds=4"], root, env)
-    assert ran(out) == {"train-tiny", "train-other", "learn2pfed-tiny", "tables", "compare"}  # not prepare
+    assert ran(out) == {"tune-other", "train-tiny", "train-other", "learn2pfed-tiny", "tables", "compare"}  # not prepare
     assert final_round(root, "fedavg") == 4
     shown = sh([sys.executable, "-m", "dvc", "exp", "show", "--json"], root, env)
     assert "federation.rounds" in shown or '"rounds": 4' in shown

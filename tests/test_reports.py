@@ -251,7 +251,7 @@ def test_the_test_selected_statistic_is_printed_apart_and_ranks_nothing(tmp_path
     assert [r.method for r in results] == ["a", "b"]
     assert [r.test_selected for r in results] == pytest.approx([0.84, 0.94])
     text = report_markdown(experiment, "acc", results, {})
-    section = text.split("## Test-selected, for comparison with published numbers only")[1]
+    section = text.split("## Test-selected and sample-weighted, for comparison with published numbers only")[1]
     assert "| a | 0.8400 |" in section and "| b | 0.9400 |" in section and "ranks nothing" in section
 
 
@@ -357,3 +357,50 @@ def test_compare_against_a_real_mlflow_server(project, tmp_path):
         assert r.personalized[0] == pytest.approx(results[r.method, 0][key])  # one seed: the client mean
     assert (project / "reports/compare/tiny.md").exists()
     assert (project / "reports/figures/tiny-clients.png").exists()  # artifacts came through the server
+
+
+def two_client_result(method: str, accs, p=None, p_weighted=None):
+    """One seed of two clients of 10 and 100 test samples: both statistics from `accs`."""
+    from pfl_tasks.reports import MethodResult
+
+    clients, sizes = {0: np.array(accs)}, {0: np.array([10.0, 100.0])}
+    return MethodResult(method, "acc", [0], ["r"], [], mean_ci(list(clients.values())), 0.5, None, None, [2],
+                        [True], None, None, None, method == "fedavg", clients, {0: "h"}, p, sizes=sizes,
+                        weighted=mean_ci(list(clients.values()), weights=list(sizes.values())),
+                        p_vs_best_weighted=p_weighted)
+
+
+def test_a_method_whose_verdict_flips_between_the_statistics_is_marked_with_a_sentence():
+    """Local is below FedAvg on the client mean (its small client does badly) and above it
+    sample-weighted (its large client does well): flagged ⚑ in both tables, with a sentence;
+    Ditto is above FedAvg either way, and best in both, so it is not."""
+    from pfl_tasks.reports import flips, markdown as report_markdown, ordered
+
+    results = [two_client_result("ditto", [0.70, 0.95]), two_client_result("fedavg", [0.60, 0.90], 0.01, 0.01),
+               two_client_result("local", [0.50, 0.95], 0.01, 0.01)]
+    assert [r.method for r in ordered(results, weighted=True)] == ["ditto", "local", "fedavg"]
+    assert flips(results) == {"local": "it is below FedAvg on the client mean (-0.0250) but above it "
+                                       "sample-weighted (+0.0364)"}
+    text = report_markdown("e", "acc", results, {})
+    assert "| 3 | local⚑ |" in text and "| 2 | local⚑ | 0.9091 [" in text
+    assert "- ⚑ local: it is below FedAvg on the client mean (-0.0250) but above it sample-weighted (+0.0364)." in text
+    assert "| 1 | ditto |" in text and "| 1 | ditto | 0.9273 [" in text
+    # the top group: ditto in both; local joins it sample-weighted only
+    results[2] = replace(results[2], p_vs_best_weighted=0.5)
+    assert flips(results)["local"].endswith("it is out of the top group on the client mean but in it sample-weighted")
+    assert best_line(results, weighted=True) == "top group (not significantly different): ditto (0.9273), local (0.9091)"
+
+
+def test_a_per_method_sweep_names_each_methods_best_point_on_validation_over_every_experiment():
+    from pfl_tasks.reports import best_per_method
+
+    rankings = {
+        "m-lr-lr0.1": [ranked_result("ditto_mu0.1", 0.95, val=0.80), ranked_result("fedavg", 0.90, val=0.85)],
+        "m-lr-lr1": [ranked_result("ditto_mu0.1", 0.90, val=0.91), ranked_result("ditto_mu1", 0.99, val=0.70),
+                     replace(ranked_result("fedavg", 0.99, val=0.99), diverged=[(0, 3)])],
+    }
+    best = best_per_method(rankings, {"ditto_mu0.1": "ditto", "ditto_mu1": "ditto", "fedavg": "fedavg"})
+    assert {m: (e, r.method) for m, (e, r) in best.items()} == {
+        "ditto": ("m-lr-lr1", "ditto_mu0.1"),  # its best on validation, not ditto_mu1 (best on test)
+        "fedavg": ("m-lr-lr0.1", "fedavg"),  # a diverged point is never chosen
+    }

@@ -125,3 +125,22 @@ def test_holm_monotone_and_capped():
 
 def test_holm_empty():
     assert holm({}) == {}
+
+
+def test_the_sample_weighted_statistic_weights_clients_by_their_samples_and_its_test_pairs_them():
+    from pfl_tasks.stats import paired_weighted_pvalue
+
+    rng = np.random.default_rng(1)
+    values, sizes = [rng.uniform(0, 1, 40), rng.uniform(0, 1, 30)], [rng.integers(5, 500, 40), rng.integers(5, 500, 30)]
+    point, low, high = mean_ci(values, weights=sizes)
+    expected = np.mean([(w * x).sum() / w.sum() for x, w in zip(values, sizes)])
+    assert point == pytest.approx(expected) and low < point < high
+    assert mean_ci(values, weights=[np.ones(40), np.ones(30)]) == mean_ci(values)  # equal weights: the client mean
+    better = [x + 0.05 for x in values]
+    assert paired_weighted_pvalue(better, values, sizes) < 0.01  # a consistent gain, however noisy the clients
+    assert paired_weighted_pvalue(values, values, sizes) == 1.0
+    # only the large clients gain: decisive sample-weighted
+    big = [np.where(w > 250, x + 0.2, x - 0.02) for x, w in zip(values, sizes)]
+    assert paired_weighted_pvalue(big, values, sizes) < 0.01
+    with pytest.raises(ValueError, match="every client's must be positive"):
+        mean_ci(values, weights=[np.zeros(40), np.ones(30)])

@@ -78,6 +78,8 @@ class Algorithm(ABC):
 
     # True: every round needs every client's message (no sampling, no dropout)
     full_participation: ClassVar[bool] = False
+    # False: its steps ignore `local.optimizer.lr` (tuning leaves it alone)
+    uses_local_lr: ClassVar[bool] = True
 
     def __init__(self, hp: HyperParams):
         self.hp = hp

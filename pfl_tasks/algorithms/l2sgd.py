@@ -36,6 +36,7 @@ class L2SGD(Algorithm):
     citation = "Hanzely & Richtarik, arXiv:2002.05516"
     Hyper = L2SGDHyper
     full_participation = True
+    uses_local_lr = False  # its steps are lr / (K (1 - p)) of its own `lr`
 
     def init_server(self, params, facts):
         return {"mean": params, "pending": torch.zeros(()), "n_clients": torch.tensor(facts.n_clients)}

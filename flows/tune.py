@@ -1,0 +1,93 @@
+"""`tune` stage: each method of one experiment tuned on validation (pfl_tasks/tuning.py).
+
+Runs every grid point of `tuning.<experiment>` as experiment `<experiment>-tune` in
+`sweeps/tune-<experiment>/` (its params, partition, runs and a report of every point, all
+logged to MLflow under that name), then writes the choices to `tuning/<experiment>.json`, which
+the `train-<experiment>` stage reads. Finished points are kept, as a train stage keeps its runs.
+
+    python -m flows.tune <experiment> [--params params.yaml] [--root .]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import flows  # noqa: F401  (environment defaults)
+import yaml
+from prefect import flow
+
+from flows.compare import compare
+from flows.prepare import prepare
+from flows.stage import check_prefect_api, prefect_api, stage_main
+from flows.train import train_experiment
+from pfl_tasks.algorithms import validate_params
+from pfl_tasks.config import load_params, read_params
+from pfl_tasks.data import PARTITIONS
+from pfl_tasks.errors import ConfigError
+from pfl_tasks.files import atomic_write_text
+from pfl_tasks.outputs import json_text
+from pfl_tasks.tuning import choose, tune_name, tuning_params, tuning_path
+
+SWEEPS = Path("sweeps")  # where sweeps, and tunings, run: each its own params, data, runs and report
+
+
+def run_seconds(uri: str, results: list) -> float:
+    """The training time of the runs that count, summed (they run one after another): the
+    tuning's full cost, also when this invocation kept runs trained before."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=uri)
+    infos = [client.get_run(run_id).info for r in results for run_id in r.run_ids]
+    return sum((i.end_time - i.start_time) / 1000 for i in infos if i.end_time)
+
+
+@flow(name="pfl-tune", flow_run_name="tune-{experiment}", persist_result=False)
+def tune_flow(experiment: str, params_path: str = "params.yaml", root: str = ".") -> dict:
+    """Trains the grid, chooses on validation, writes `<root>/tuning/<experiment>.json`; returns its content."""
+    from pfl_tasks.tracking import tracking_uri
+
+    params = validate_params(load_params(params_path))
+    if experiment not in params.tuning:
+        raise ConfigError(f"{params_path}: no tuning.{experiment} section (have: {sorted(params.tuning)})")
+    raw = tuning_params(read_params(params_path), params, experiment)
+    where = Path(root) / SWEEPS / f"tune-{experiment}"
+    tune_params = where / "params.yaml"
+    atomic_write_text(tune_params, yaml.safe_dump(raw, sort_keys=False))
+    name = tune_name(experiment)
+    prepare(params.experiments[experiment].dataset, str(tune_params), where / PARTITIONS)
+    train_experiment(name, str(tune_params), str(where), "restart")
+    results = compare([name], str(tune_params), root=str(where))[name]
+    record = choose(params, experiment, results, run_seconds(tracking_uri(params.tracking.mlflow_uri), results))
+    atomic_write_text(tuning_path(Path(root), experiment), json_text(record))
+    for method, entry in record["methods"].items():
+        edge = f" (at the grid's edge: {', '.join(entry['at_edge'])})" if entry["at_edge"] else ""
+        chosen = entry["chosen"] if entry["chosen"] is not None else "none: no grid point finished"
+        print(f"{experiment}: tuned {method}: {chosen}{edge}")
+    print(f"{experiment}: {len(results)} grid points, {record['seconds'] / 60:.1f} min of training -> "
+          f"{tuning_path(Path(root), experiment)}")
+    return record
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("experiment")
+    parser.add_argument("--params", default="params.yaml")
+    parser.add_argument("--root", default=".", help="where its sweeps/ and tuning/ folders are (as flows.pipeline's)")
+    args = parser.parse_args(argv)
+
+    def work() -> None:
+        params = validate_params(load_params(args.params))
+        if args.experiment not in params.tuning:
+            raise ConfigError(f"{args.params}: no tuning.{args.experiment} section (have: {sorted(params.tuning)})")
+        check_prefect_api()
+        with prefect_api():
+            tune_flow(args.experiment, args.params, args.root)
+
+    return stage_main("tune", work)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
