@@ -4,7 +4,9 @@ For every supervision signal (`train`, `val`) and seed of the experiment, one Pr
 run: `problems` (each client's data as stacks; for classification, features from the body of
 the upstream `train` checkpoint named by `features_from`, whose head also starts w), then
 `meta-epochs-A-B` tasks of `meta.checkpoint_every` outer steps, each followed by a checkpoint,
-then `evaluate` on every client's test split.
+each step scoring the Theta it starts from on the clients' validation rows (the held-out half
+under `val` supervision), then `evaluate`: the Theta selected on validation, and the last one,
+on every client's validation and test splits (`selected/...`, `final/...`, the plateau verdict).
 
     python -m flows.learn2pfed <experiment> [--on-config-change refuse|restart|resume]
 """
@@ -12,6 +14,7 @@ then `evaluate` on every client's test split.
 from __future__ import annotations
 
 import argparse
+import copy
 import hashlib
 import json
 import math
@@ -28,7 +31,8 @@ from flows.stage import check_prefect_api, prefect_api, stage_main, stage_name
 from pfl_tasks.algorithms import build, source_file, validate_params
 from pfl_tasks.algorithms.learn2pfed import Cells
 from pfl_tasks.algorithms.learn2pfed_meta import (
-    costs, evaluate, make_optimizer, meta_epoch, padded_problem, participation,
+    Best, client_metrics, costs, evaluate, make_optimizer, meta_step, padded_problem, participation, personalized_models,
+    split_validation,
 )
 from pfl_tasks.config import Learn2pFedConfig, ResolvedExperiment, config_hash, load_params
 from pfl_tasks.data import FederatedData, load_partition, partition_dir
@@ -39,7 +43,8 @@ from pfl_tasks.imports import ROOT, code_hash, numeric_code
 from pfl_tasks.nets import build_net, embed, head_keys, split_net
 from pfl_tasks.outputs import per_client_rows, write_csv
 from pfl_tasks.runs import Run, RunPaths
-from pfl_tasks.selection import final_metrics, summarize_eval
+from pfl_tasks.engine.evaluate import HIGHER_IS_BETTER
+from pfl_tasks.selection import PRIMARY, final_metrics, plateau, summarize_eval
 from pfl_tasks.tracking import flatten, open_store, run_tags, tracking_uri
 
 TASK_OPTIONS = dict(cache_policy=NO_CACHE, persist_result=False)
@@ -48,7 +53,8 @@ TASK_OPTIONS = dict(cache_policy=NO_CACHE, persist_result=False)
 @dataclass(frozen=True)
 class Problems:
     train: object  # every training row: the cells fit these
-    supervise: object  # rows the meta loss is taken on: train's, or the validation split's
+    supervise: object  # rows the meta loss is taken on: train's, or half of each client's validation rows
+    select: object  # rows the meta-epoch is selected on: the validation split's, or its other half
     test: object
     w0: torch.Tensor
     upstream: str  # hash of the upstream checkpoint ("" for regression)
@@ -133,16 +139,37 @@ def build_problems(exp, params, cfg: Learn2pFedConfig, supervision: str, root: P
         w0, upstream = torch.zeros(features(data.train.x[:1]).shape[1], dtype=torch.float64), ""
     train_features = features(data.train.x)
     train = padded_problem(data.train, train_features, n_classes)
-    supervise = train if supervision == "train" else padded_problem(data.val, features(data.val.x), n_classes,
-                                                                      name="validation")
+    val = padded_problem(data.val, features(data.val.x), n_classes, name="validation")
+    supervise, select, single = (train, val, []) if supervision == "train" else split_validation(val)
+    if single:
+        print(f"{exp.name} seed {exp.seed}: learn2pfed-val: clients {single} have one validation row, which both "
+              "fits the meta loss and selects the meta-epoch", file=sys.stderr)
     test = padded_problem(data.test, features(data.test.x), n_classes, name="test")
-    return Problems(train, supervise, test, w0, upstream, data.manifest_hash, data.partition)
+    return Problems(train, supervise, select, test, w0, upstream, data.manifest_hash, data.partition)
+
+
+def theta(cells) -> dict[str, torch.Tensor]:
+    """A copy of Theta as it is now (the step that follows changes it in place)."""
+    return {name: value.detach().clone() for name, value in cells.state_dict().items()}
+
+
+def selection_scores(problems: Problems, v: torch.Tensor) -> dict[str, float]:
+    """The personalized models' `val/personalized/...` aggregates on the selection rows."""
+    return summarize_eval({"val": {"personalized": client_metrics(problems.select, v)}})
 
 
 @task(**TASK_OPTIONS, task_run_name="meta-epochs-{start}-{stop}")
-def meta_epochs(cells, opt, cfg, problems: Problems, start: int, stop: int) -> list[tuple[float, float]]:
-    return [meta_epoch(cells, opt, cfg, e, problems.train, problems.supervise, problems.w0)
-            for e in range(start, stop)]
+def meta_epochs(cells, opt, cfg, problems: Problems, start: int, stop: int, best: Best, key: str) -> list[dict]:
+    """Meta-steps `start` to `stop`: each one's losses and the validation scores of the Theta it
+    starts from, which `best` is offered."""
+    out = []
+    for epoch in range(start, stop):
+        state = theta(cells)
+        loss, fit_loss, v = meta_step(cells, opt, cfg, epoch, problems.train, problems.supervise, problems.w0)
+        scores = selection_scores(problems, v)
+        best.offer(epoch, scores[key], state)
+        out.append({"epoch": epoch, "meta/loss": loss, "meta/fit_loss": fit_loss, **scores})
+    return out
 
 
 @task(**TASK_OPTIONS, task_run_name="checkpoint-{epoch}")
@@ -151,8 +178,10 @@ def checkpoint(path: Path, epoch: int, payload: dict):
 
 
 @task(**TASK_OPTIONS, task_run_name="evaluate")
-def evaluate_clients(cells, cfg, problems: Problems):
-    return evaluate(cells, problems.train, problems.test, problems.w0, cfg)
+def evaluate_clients(cells, cfg, problems: Problems) -> dict:
+    """Per-client metrics of `cells`' personalized models: split -> model -> metric -> [M]."""
+    return {split: evaluate(cells, problems.train, rows, problems.w0, cfg)
+            for split, rows in (("val", problems.select), ("test", problems.test))}
 
 
 @flow(name="pfl-learn2pfed", flow_run_name="{experiment}-learn2pfed-{supervision}-seed{seed}",
@@ -181,6 +210,9 @@ def learn2pfed_flow(experiment: str, supervision: str, seed: int, params_path: s
     cells = Cells(problems.train, cfg.cells, cfg.tied, cfg.init.model_dump(), torch.Generator().manual_seed(seed),
                   cfg.lambda_)
     opt = make_optimizer(cells, cfg.meta)
+    metric = PRIMARY[task_kind]
+    key = f"val/personalized/{metric}_mean"
+    best = Best(HIGHER_IS_BETTER[metric])
     with Run(paths, identity, params.tracking, seed, total=cfg.meta.epochs, unit="epoch",
              on_config_change=on_config_change) as run:
         history = []  # {"epoch", "meta/loss" (supervised), "meta/fit_loss"} per meta-epoch
@@ -188,6 +220,7 @@ def learn2pfed_flow(experiment: str, supervision: str, seed: int, params_path: s
             cells.load_state_dict(run.resumed["cells"])
             opt.load_state_dict(run.resumed["optimizer"])
             history = run.resumed["history"]
+            best = Best(**run.resumed["best"])
             print(f"{run.label}: resuming from meta-epoch {len(history)}")
         run.track(exp.name,
                   flatten({"experiment": exp.model_dump(mode="json", exclude={"hyper"}),
@@ -198,15 +231,13 @@ def learn2pfed_flow(experiment: str, supervision: str, seed: int, params_path: s
 
         def snapshot() -> dict:
             return {**identity, "round": len(history), "budget": cfg.meta.epochs, "cells": cells.state_dict(),
-                    "optimizer": opt.state_dict(),
+                    "optimizer": opt.state_dict(), "best": best.as_dict(),
                     "history": history, "mlflow_run_id": run.tracker.run_id, "seed": seed}
 
         run.snapshot = snapshot
 
         def advance(start: int, stop: int) -> tuple[int, str] | None:
-            block = meta_epochs(cells, opt, cfg, problems, start, stop)
-            history.extend({"epoch": e, "meta/loss": sup, "meta/fit_loss": fit}
-                           for e, (sup, fit) in enumerate(block, start))
+            history.extend(meta_epochs(cells, opt, cfg, problems, start, stop, best, key))
             broken = [h["epoch"] for h in history[start:] if not math.isfinite(h["meta/loss"])]
             if broken or not all(torch.isfinite(p).all() for p in cells.parameters()):
                 at = broken[0] + 1 if broken else stop
@@ -215,33 +246,40 @@ def learn2pfed_flow(experiment: str, supervision: str, seed: int, params_path: s
 
         every = cfg.meta.checkpoint_every
         diverged = run.play(len(history), every, advance, checkpoint, every, history,
-                            lambda stop: f"meta loss={history[-1]['meta/loss']:.4f}")
+                            lambda stop: f"meta loss={history[-1]['meta/loss']:.4f}, {key}={history[-1][key]:.4f}")
         if diverged is not None:
             return run.diverged(*diverged, [])
 
-        per_client = evaluate_clients(cells, cfg, problems)
-        per_client = {"test": per_client}
-        final = final_metrics([{"round": cfg.meta.epochs, **summarize_eval(per_client),
-                                **costs(problems.train, problems.supervise, cfg)}], task_kind)
+        epochs = cfg.meta.epochs  # the last Theta, after every step, is a candidate too
+        best.offer(epochs, selection_scores(problems, personalized_models(cells, problems.train, problems.w0, cfg))[key],
+                   theta(cells))
+        selected = copy.deepcopy(cells)
+        selected.load_state_dict(best.state)
+        tables = {"selected": evaluate_clients(selected, cfg, problems), "last": evaluate_clients(cells, cfg, problems)}
+        spent = costs(problems.train, problems.supervise, cfg)
+        evaluations = [{"round": best.epoch, **summarize_eval(tables["selected"]), **spent},
+                       {"round": epochs, **summarize_eval(tables["last"]), **spent}]
+        curve = [{"round": h["epoch"], key: h[key]} for h in history] + [{"round": epochs, key: evaluations[1][key]}]
+        final = {**final_metrics(evaluations, task_kind), **plateau(curve, task_kind)}
         final.update({"meta/loss_first": history[0]["meta/loss"], "meta/loss_last": history[-1]["meta/loss"],
                       "meta/fit_loss_last": history[-1]["meta/fit_loss"]})
-        lam = participation(cells)
+        lam = participation(selected)
         final["participation/lam_mean"] = lam.mean().item()
         if lam.shape[-1] <= 16:  # per coordinate, for the interpretable regression tasks
             final.update({f"participation/lam_mean_{j}": v for j, v in enumerate(lam.mean((0, 1)).tolist())})
 
         def artifacts(tmp: Path) -> None:
-            write_csv(tmp / "clients_last.csv", per_client_rows(per_client))
-            write_csv(tmp / "clients_selected.csv", per_client_rows(per_client))
+            write_csv(tmp / "clients_last.csv", per_client_rows(tables["last"]))
+            write_csv(tmp / "clients_selected.csv", per_client_rows(tables["selected"]))
             write_csv(tmp / "participation.csv", [
                 {"cell": c, "client_id": i, **{f"lam_{j}": float(x) for j, x in enumerate(row)}}
                 for c, layer in enumerate(lam) for i, row in enumerate(layer)
             ])
 
-        run.finish(final, [{"epoch": h["epoch"], "meta_loss": h["meta/loss"], "fit_loss": h["meta/fit_loss"]}
-                           for h in history], artifacts)
-    print(f"{run.label}: " + ", ".join(
-        f"{k}={v:.4f}" for k, v in final.items() if k.startswith("final/test/") and k.endswith(("acc_mean", "mse_mean"))))
+        run.finish(final, [{"epoch": h["epoch"], "meta_loss": h["meta/loss"], "fit_loss": h["meta/fit_loss"],
+                            "val": h[key]} for h in history], artifacts)
+    print(f"{run.label}: meta-epoch {best.epoch} selected on validation; " + ", ".join(
+        f"{k}={v:.4f}" for k, v in final.items() if k.startswith("selected/test/") and k.endswith(("acc_mean", "mse_mean"))))
     return final
 
 

@@ -313,3 +313,59 @@ def test_validation_supervised_learn2pfed_beats_local_and_fedavg_optima_on_scarc
     mse = np.mean([r[0] for r in runs])
     for method in ("local", "fedavg"):
         assert mse < np.mean([r[1][method] for r in runs]), method
+
+
+def test_the_meta_epoch_is_selected_on_validation_never_test_and_a_drifting_run_returns_its_best():
+    """Train supervision on noisy polynomial data drifts towards local least squares:
+    validation MSE falls, then rises. The flow's meta-epochs offer every Theta to `Best`, which
+    keeps the one whose personalized models score best on validation (its state reproduces that
+    score exactly); scrambling the test labels changes nothing of it."""
+    from dataclasses import replace
+
+    from flows.learn2pfed import Problems, meta_epochs, selection_scores
+    from pfl_tasks.algorithms.learn2pfed_meta import Best, make_optimizer, padded_problem, personalized_models
+    from pfl_tasks.config import DatasetConfig
+    from pfl_tasks.data.store import _client_split, build_partition
+
+    cfg = DatasetConfig.model_validate({"source": {"name": "polynomial", "setting": 1, "n_clients": 3,
+                                                   "n_points": 100, "noise": 0.5}})
+    df, _ = build_partition("poly_scarce", cfg, 0)
+    train, val, test = (padded_problem(split, split.x, 0) for split in (
+        _client_split(df[df["split"] == name], 3, (4,)) for name in ("train", "val", "test")))
+    l2p = Learn2pFedConfig(meta={"epochs": 120})
+    key = "val/personalized/mse_mean"
+
+    def run(test_rows):
+        problems = Problems(train, train, val, test_rows, torch.zeros(4, dtype=torch.float64), "", "", "")
+        cells = Cells(train, l2p.cells, l2p.tied, l2p.init.model_dump(), torch.Generator().manual_seed(0))
+        opt, best = make_optimizer(cells, l2p.meta), Best(higher_is_better=False)
+        history = meta_epochs.fn(cells, opt, l2p, problems, 0, 60, best, key)
+        history += meta_epochs.fn(cells, opt, l2p, problems, 60, 120, best, key)  # across a checkpoint boundary
+        return history, best, cells, problems
+
+    history, best, cells, problems = run(test)
+    scores = [h[key] for h in history]
+    assert best.epoch == scores.index(min(scores)) and best.value == min(scores)
+    assert 0 < best.epoch < 100 and scores[-1] > best.value  # it drifted after the epoch it returns
+    selected = Cells(train, l2p.cells, l2p.tied, l2p.init.model_dump(), torch.Generator().manual_seed(1))
+    selected.load_state_dict(best.state)
+    v = personalized_models(selected, train, problems.w0, l2p)
+    assert selection_scores(problems, v)[key] == best.value  # the kept Theta is the one scored
+    scrambled = replace(test, y=torch.randn(test.y.shape, generator=torch.Generator().manual_seed(3),
+                                             dtype=test.y.dtype))
+    again, best_again, _, _ = run(scrambled)
+    assert again == history and best_again.epoch == best.epoch  # the test split chooses nothing
+
+
+def test_val_supervision_fits_half_of_each_clients_validation_rows_and_selects_on_the_other():
+    from pfl_tasks.algorithms.learn2pfed import Problem
+    from pfl_tasks.algorithms.learn2pfed_meta import split_validation
+
+    mask = torch.tensor([[1.0, 1, 1, 1, 1], [1, 1, 0, 0, 0]])
+    rows = Problem(torch.zeros(2, 5, 3, dtype=torch.float64), torch.zeros(2, 5, dtype=torch.float64), mask)
+    fit, select, single = split_validation(rows)
+    assert fit.mask.tolist() == [[1, 0, 1, 0, 1], [1, 0, 0, 0, 0]]
+    assert select.mask.tolist() == [[0, 1, 0, 1, 0], [0, 1, 0, 0, 0]]
+    assert ((fit.mask + select.mask) == mask).all() and single == []  # disjoint, and every row used
+    fit, select, single = split_validation(Problem(rows.x, rows.y, torch.tensor([[1.0, 1, 0, 0, 0], [1, 0, 0, 0, 0]])))
+    assert single == [1] and fit.mask[1].tolist() == select.mask[1].tolist() == [1, 0, 0, 0, 0]  # said, not hidden

@@ -56,4 +56,7 @@ def test_learn2pfed_head_on_upstream_body_resumes_and_lands_in_the_table(project
     assert rows[1:] == ["learn2pfed-val", "fedavg", "local"]
     cells = {p.stem: json.loads(p.read_text()) for p in (project / "reports/tables/tiny").glob("*.json")}
     assert sorted(cells) == ["fedavg", "learn2pfed-val", "local"] and cells["fedavg"]["tiny"]["seeds"] == 1
-    assert cells["learn2pfed-val"]["tiny"]["mean"] == pytest.approx(resumed["final/test/personalized/acc_mean"])
+    # the table's number is the Theta selected on validation (the held-out half of its rows)
+    assert cells["learn2pfed-val"]["tiny"]["mean"] == pytest.approx(resumed["selected/test/personalized/acc_mean"])
+    assert 0 <= resumed["selected/round"] <= 12 and resumed["final/round"] == 12
+    assert "final/test/global/acc_mean" not in resumed  # the cells' w(L) is no model the method gives
