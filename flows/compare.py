@@ -56,14 +56,15 @@ def compare(experiments: list[str] | None = None, params_path: str = "params.yam
 
 
 def write_ranking(path: Path, rankings: dict[str, list], keep_others: bool) -> None:
-    """DVC metrics `<experiment>.<method>.client_mean` (the number its report ranks by) and
-    `.sample_weighted`: each ranked method's two statistics, mean over seeds; short keys, so
-    that `dvc exp show` compares experiments in a terminal. `keep_others`: the experiments not compared now keep their entries. Call as its one
-    writer: what a killed writer left of its temporaries is removed first."""
+    """DVC metrics `<experiment>.<method>.mean` (the client mean: the number its report ranks
+    by) and `.weighted` (sample-weighted): each ranked method's two statistics, mean over seeds;
+    short keys, so that `dvc exp show` compares experiments in a terminal. `keep_others`: the
+    experiments not compared now keep their entries. Call as its one writer: what a killed
+    writer left of its temporaries is removed first."""
     remove_stale_temporaries(path)
     ranking = json.loads(path.read_text()) if keep_others and path.exists() else {}
-    ranking.update({experiment: {r.method: {"client_mean": r.personalized[0],
-                                            **({"sample_weighted": r.weighted[0]} if r.weighted else {})}
+    ranking.update({experiment: {r.method: {"mean": r.personalized[0],
+                                            **({"weighted": r.weighted[0]} if r.weighted else {})}
                                  for r in results if r.ranked}
                     for experiment, results in rankings.items()})
     atomic_write_text(path, json_text(ranking))

@@ -44,7 +44,7 @@ def cell(result: MethodResult, metric: str, chosen: bool) -> dict:
     return {"metric": metric, "mean": point, "ci_low": low, "ci_high": high, "seeds": len(result.seeds),
             "not_worse_than_best": result.indistinguishable(), "global_only": result.global_only,
             "best_on_validation": chosen, "marks": marks(result, chosen),
-            **({"sample_weighted": result.weighted[0]} if result.weighted else {})}
+            **({"weighted": result.weighted[0]} if result.weighted else {})}
 
 
 def build_table(client, params: Params, table: TableConfig, root: Path) -> dict[str, dict[str, dict]]:
