@@ -438,8 +438,6 @@ def protocol_lines() -> list[str]:
         f"≈: not significantly different from the best ({TEST_NAME}, α = {ALPHA}). "
         "†: the \"personalized\" model is the global model. "
         "✓: the best on validation (the same mean on the validation splits): what a sweep selects. "
-        "⚑: its verdict (above or below FedAvg's global model, in or out of the top group) differs between "
-        "the client mean and the sample-weighted statistic (the second table, and the sentences under it). "
         f"Diverged runs, and runs that aggregated fewer than {MIN_AGGREGATED:.0%} of their rounds (in the others "
         "no sampled client reported), are listed, not ranked.",
     ]
@@ -462,6 +460,8 @@ def markdown(experiment: str, metric: str, results: list[MethodResult], figures:
         f"# {experiment}: comparison",
         "",
         *protocol_lines(),
+        "⚑: its verdict (above or below FedAvg's global model, in or out of the top group) differs between the "
+        "client mean and the sample-weighted statistic (the second table, and the sentences under it).",
         f"Plateaued: seeds whose mean validation metric over the last fifth of the rounds gained less than "
         f"{tolerance} on the fifth before. Rounds aggregated: per seed, the rounds in which a sampled client "
         "reported, of the rounds run. Compute: samples × forward-backward passes over all clients, the whole run (+ one "
