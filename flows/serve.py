@@ -26,7 +26,8 @@ from pfl_tasks.config import SweepConfig, load_params, parse_params
 from pfl_tasks.errors import ConfigError
 from pfl_tasks.grid import sweep_params
 
-DEFAULT_SWEEP = SweepConfig(name="digits-sweep", experiment="digits", algorithms=["fedavg", "ditto", "fedrep"],
+# the default run's benchmark, a short one: what "Custom run" starts from in the UI
+DEFAULT_SWEEP = SweepConfig(name="mnist-sweep", experiment="mnist", algorithms=["fedavg", "ditto", "fedrep"],
                             seeds=[0, 1, 2], overrides={"federation.rounds": 20})
 
 

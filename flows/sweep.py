@@ -5,12 +5,12 @@ checkpoints, metrics and comparison report), logged to MLflow under that experim
 Meant for the Prefect UI (deployment `pfl-sweep/sweep`, "Custom run"); from a shell, with
 options or as JSON:
 
-    python -m flows.sweep digits --algorithms ditto fedavg --set algorithms.ditto.mu=0.01,0.1,1
-    python -m flows.sweep digits --algorithms fedavg ditto --set local.optimizer.lr=0.1,0.2 --name lr
-    python -m flows.sweep digits --algorithms fedavg --seeds 7 8      # runs the params file does not configure
+    python -m flows.sweep mnist --algorithms ditto fedavg --set algorithms.ditto.mu=0.01,0.1,1
+    python -m flows.sweep mnist --algorithms fedavg ditto --set local.optimizer.lr=0.1,0.2 --name lr
+    python -m flows.sweep mnist --algorithms fedavg --seeds 7 8      # runs the params file does not configure
     python -m flows.sweep mnist --algorithms fedavg ditto --set local.optimizer.lr=0.1,0.3,1 \
         --set algorithms.ditto.mu=0.1,1 --per-method   # each method's best point on validation
-    python -m flows.sweep '{"name": "lr", "experiment": "digits", "algorithms": ["fedavg", "ditto"],
+    python -m flows.sweep '{"name": "lr", "experiment": "mnist", "algorithms": ["fedavg", "ditto"],
                             "overrides": {"federation.rounds": 50}, "grid": {"local.optimizer.lr": [0.1, 0.2]}}'
 """
 
@@ -48,6 +48,9 @@ def sweep_flow(sweep: SweepConfig, root: str = ".") -> dict:
     sweep's choice."""
     raw = sweep_params(sweep)
     validate_params(parse_params(raw))
+    if sweep.experiment in load_params(sweep.params_path).tuning:
+        print(f"sweep {sweep.name}: runs {sweep.params_path}'s values, not the per-method choices of "
+              f"tuning/{sweep.experiment}.json")
     root = Path(root) / SWEEPS / sweep.name
     params_path = root / "params.yaml"
     atomic_write_text(params_path, yaml.safe_dump(raw, sort_keys=False))

@@ -31,7 +31,8 @@ def sweep_params(sweep: SweepConfig) -> dict:
     exp = dict(experiments[sweep.experiment])
     exp.update({k: v for k, v in (("algorithms", sweep.algorithms), ("seeds", sweep.seeds)) if v is not None})
     run_names = exp.get("algorithms") or list(raw.get("algorithms") or {})
-    exp["algorithm_overrides"] = {k: v for k, v in (exp.get("algorithm_overrides") or {}).items() if k in run_names}
+    for key in ("algorithm_overrides", "run_overrides"):  # of the runs swept only
+        exp[key] = {k: v for k, v in (exp.get(key) or {}).items() if k in run_names}
     variants, points = split_grid(sweep.grid, run_names)
     algorithms = dict(raw.get("algorithms") or {})
     for run, hyper in variants.items():
@@ -44,8 +45,11 @@ def sweep_params(sweep: SweepConfig) -> dict:
                 raise ConfigError(f"sweep.grid: algorithms.{run}: two values (or an existing entry) are named "
                                   f"'{name}': give distinct values")
             algorithms[name] = {**base, "algorithm": base.get("algorithm", run), **setting}
+            if run in exp["run_overrides"]:  # a variant keeps its run's own budget
+                exp["run_overrides"][name] = exp["run_overrides"][run]
             names.append(name)
         run_names = [n for r in run_names for n in (names if r == run else [r])]
+        exp["run_overrides"].pop(run, None)
     exp["algorithms"] = run_names
     out = {}
     for point in itertools.product(*points.values()):
@@ -56,7 +60,9 @@ def sweep_params(sweep: SweepConfig) -> dict:
         out[name] = copy.deepcopy(exp)
         for dotted, value in setting.items():
             set_dotted(out[name], dotted, value, "sweep.grid")
-    raw.update(experiments=out, algorithms=algorithms, learn2pfed={},
+    # a sweep runs the params' values: a tuned experiment's choices (tuning/<experiment>.json) would
+    # override the very keys a grid varies
+    raw.update(experiments=out, algorithms=algorithms, learn2pfed={}, tuning={},
                tables={sweep.name: {"experiments": list(out)}} if len(out) > 1 else {})
     if sweep.tags:
         tracking = dict(raw.get("tracking") or {})

@@ -4,6 +4,8 @@ the grid's params, errors before anything starts, and a grid run end to end unde
 parent run."""
 
 import re
+import tempfile
+from pathlib import Path
 
 import pytest
 import yaml
@@ -180,3 +182,16 @@ def test_a_grid_runs_under_one_mlflow_parent_run_with_one_table(project, prefect
     report = (project / "sweeps" / "mu" / "reports" / "compare" / "tiny-mu.md").read_text()
     assert all(f"| {name}" in report for name in ("ditto_v0.5_mu0.1", "ditto_v0.5_mu1", "fedavg"))
     assert re.search(rf"\| {re.escape(parents[0].data.tags['winner'])}[≈†]*✓ \|", report)  # the choice, marked
+
+
+def test_a_sweep_keeps_only_its_runs_own_overrides_and_a_variant_its_runs():
+    raw = tiny_params(algorithms=["fedavg", "l2sgd"], run_overrides={"l2sgd": {"federation": {"rounds": 40}}})
+    path = Path(tempfile.mkdtemp()) / "params.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    alone = parse_params(sweep_params(SweepConfig(name="s", experiment="tiny", algorithms=["fedavg"],
+                                                  params_path=str(path))))
+    assert alone.experiments["tiny-s"].run_overrides == {}
+    swept = parse_params(sweep_params(SweepConfig(name="p", experiment="tiny", algorithms=["l2sgd"],
+                                                  grid={"algorithms.l2sgd.p": [0.2, 0.8]}, params_path=str(path))))
+    exp = swept.experiment("tiny-p")
+    assert [exp.for_run(r).federation.rounds for r in exp.algorithms] == [40, 40]

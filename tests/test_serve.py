@@ -94,3 +94,14 @@ def test_served_sweep_deployment_runs_rounds_as_task_runs(project, tmp_path):
         assert name in tasks
     assert (project / "sweeps/t/metrics/tiny-t/fedavg/seed-0.json").exists()
     assert (project / "sweeps/t/reports/compare/tiny-t.md").exists()
+
+
+def test_the_default_sweep_is_one_of_params_yaml():
+    """`python -m flows.serve` as the README gives it (no --sweep) validates its default sweep
+    against the committed params.yaml."""
+    from flows.serve import DEFAULT_SWEEP
+    from pfl_tasks.algorithms import validate_params
+    from pfl_tasks.config import parse_params
+    from pfl_tasks.grid import sweep_params
+
+    assert validate_params(parse_params(sweep_params(DEFAULT_SWEEP))).experiments
