@@ -44,14 +44,20 @@ def run_seconds(uri: str, results: list) -> float:
     return sum((i.end_time - i.start_time) / 1000 for i in infos if i.end_time)
 
 
+def checked_params(experiment: str, params_path: str):
+    """The validated params, which must tune `experiment`; a ConfigError names the section."""
+    params = validate_params(load_params(params_path))
+    if experiment not in params.tuning:
+        raise ConfigError(f"{params_path}: no tuning.{experiment} section (have: {sorted(params.tuning)})")
+    return params
+
+
 @flow(name="pfl-tune", flow_run_name="tune-{experiment}", persist_result=False)
 def tune_flow(experiment: str, params_path: str = "params.yaml", root: str = ".") -> dict:
     """Trains the grid, chooses on validation, writes `<root>/tuning/<experiment>.json`; returns its content."""
     from pfl_tasks.tracking import tracking_uri
 
-    params = validate_params(load_params(params_path))
-    if experiment not in params.tuning:
-        raise ConfigError(f"{params_path}: no tuning.{experiment} section (have: {sorted(params.tuning)})")
+    params = checked_params(experiment, params_path)
     raw = tuning_params(read_params(params_path), params, experiment)
     where = Path(root) / SWEEPS / f"tune-{experiment}"
     tune_params = where / "params.yaml"
@@ -79,9 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     def work() -> None:
-        params = validate_params(load_params(args.params))
-        if args.experiment not in params.tuning:
-            raise ConfigError(f"{args.params}: no tuning.{args.experiment} section (have: {sorted(params.tuning)})")
+        checked_params(args.experiment, args.params)  # before the Prefect server starts
         check_prefect_api()
         with prefect_api():
             tune_flow(args.experiment, args.params, args.root)
