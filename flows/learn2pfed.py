@@ -46,6 +46,8 @@ from pfl_tasks.runs import Run, RunPaths
 from pfl_tasks.engine.evaluate import HIGHER_IS_BETTER
 from pfl_tasks.selection import PRIMARY, final_metrics, plateau, summarize_eval
 from pfl_tasks.tracking import flatten, open_store, run_tags, tracking_uri
+from pfl_tasks.training import finished
+from pfl_tasks.tuning import tuned
 
 TASK_OPTIONS = dict(cache_policy=NO_CACHE, persist_result=False)
 
@@ -73,16 +75,21 @@ def learn2pfed_code(params, experiment: str) -> list[Path]:
     return sorted({Path(__file__).relative_to(ROOT), *code})
 
 
-def upstream_checkpoint(exp: ResolvedExperiment, run_name: str, root: Path) -> Path:
-    """The checkpoint of `run_name`'s `train` run that gives the features; errors name the stage to run."""
-    paths = RunPaths.of(root, exp.name, run_name, exp.seed)
-    outcome = json.loads(paths.metrics.read_text()) if paths.metrics.exists() else {}
-    if outcome.get("status") == "diverged":
-        raise ConfigError(f"learn2pfed.{exp.name}.features_from: '{run_name}' diverged at round {outcome['round']} "
-                          f"({paths.metrics}): no trained body to take features from")
-    if not paths.checkpoint.exists():
-        raise CheckpointError(f"{paths.checkpoint}: missing; run `dvc repro {stage_name('train', exp.name)}` first")
-    return paths.checkpoint
+def upstream_checkpoint(params, experiment: str, run_name: str, seed: int, root: Path) -> tuple[Path, dict]:
+    """The checkpoint of `run_name`'s `train` run that gives the features, and the run's
+    hyper-parameters: those of a run finished under the train stage's current params (tuning
+    included), data and code; errors name the stage to run."""
+    trained = tuned(params, experiment, root)
+    exp = trained.for_run(run_name, seed)
+    paths = RunPaths.of(root, exp.name, run_name, seed)
+    outcome, why = finished(exp, run_name, trained.hyper[run_name], root)
+    if outcome is not None:
+        return paths.checkpoint, trained.hyper[run_name]
+    if why.endswith("says diverged"):
+        raise ConfigError(f"learn2pfed.{exp.name}.features_from: '{run_name}' diverged ({paths.metrics}): "
+                          "no trained body to take features from")
+    raise CheckpointError(f"{paths.checkpoint}: not a finished run of the current params, data and code of "
+                          f"{stage_name('train', exp.name)} ({why}): run `dvc repro {stage_name('train', exp.name)}` first")
 
 
 def check_inputs(params, experiment: str, root: Path) -> None:
@@ -96,18 +103,16 @@ def check_inputs(params, experiment: str, root: Path) -> None:
             RunPaths.of(root, f"learn2pfed/{exp.name}", f"learn2pfed-{supervision}", seed).check_writable()
         manifest = read_manifest(partition_dir(root, exp.dataset, seed))
         if manifest.task == "classification" and upstream is not None:
-            upstream_checkpoint(exp.for_run(upstream, seed), upstream, root)
+            upstream_checkpoint(params, experiment, upstream, seed, root)
 
 
 def upstream_features(exp: ResolvedExperiment, params, data: FederatedData, run_name: str, root: Path):
     """(features, w0, hash): the trained body of `run_name`'s checkpoint as a frozen feature
     map, its head [classes, hidden + 1] flattened as the cells' starting w."""
-    path, where = upstream_checkpoint(exp, run_name, root), f"learn2pfed.{exp.name}.features_from"
+    (path, hyper), where = upstream_checkpoint(params, exp.name, run_name, exp.seed, root), \
+        f"learn2pfed.{exp.name}.features_from"
     ckpt = load_checkpoint(path, {"experiment": exp.name, "algorithm": run_name})
-    rounds = exp.for_run(run_name).federation.rounds
-    if ckpt["round"] != rounds:
-        raise CheckpointError(f"{path}: at round {ckpt['round']} of {rounds}; finish {stage_name('train', exp.name)} first")
-    model = build(run_name, exp.hyper[run_name]).global_model(ckpt["server"], ckpt["clients"])
+    model = build(run_name, hyper).global_model(ckpt["server"], ckpt["clients"])
     if model is None:
         raise ConfigError(f"{where}: '{run_name}' has no global model to take a body from")
     if len(head_keys(model)) != 2 or len(model) == 2:

@@ -31,7 +31,7 @@ from flows.tables import write_tables
 from flows.train import train_experiment
 from flows.tune import tune_flow
 from pfl_tasks.algorithms import validate_params
-from pfl_tasks.config import Params, load_params
+from pfl_tasks.config import Params, load_params, params_snapshot
 from pfl_tasks.errors import ConfigError
 from pfl_tasks.estimate import estimate, report
 from pfl_tasks.tracking import tracking_uri
@@ -67,19 +67,20 @@ def checked_params(params_path: str, experiments: list[str] | None) -> tuple[Par
 @flow(name="pfl-pipeline", flow_run_name="pipeline-{params_path}", persist_result=False)
 def pipeline_flow(params_path: str = "params.yaml", root: str = ".", experiments: list[str] | None = None) -> dict:
     """Every stage for `experiments` (default: all, and then the tables too); returns each
-    experiment's ranking."""
-    params, chosen = checked_params(params_path, experiments)
-    for dataset in sorted({params.experiments[e].dataset for e in chosen}):
-        prepare_step(dataset, params_path, Path(root) / PARTITIONS)
-    for experiment in chosen:
-        if experiment in params.tuning:
-            tune_flow(experiment, params_path, root)
-        train_experiment(experiment, params_path, root, "restart")
-        if experiment in params.learn2pfed:
-            learn2pfed_experiment(experiment, params_path, root, "restart")
-    if experiments is None and params.tables:
-        tables_step(params_path, root)
-    return compare_step(chosen, params_path, root=root)
+    experiment's ranking. Its stages run one snapshot of the params (`params_snapshot`)."""
+    with params_snapshot():
+        params, chosen = checked_params(params_path, experiments)
+        for dataset in sorted({params.experiments[e].dataset for e in chosen}):
+            prepare_step(dataset, params_path, Path(root) / PARTITIONS)
+        for experiment in chosen:
+            if experiment in params.tuning:
+                tune_flow(experiment, params_path, root)
+            train_experiment(experiment, params_path, root, "restart")
+            if experiment in params.learn2pfed:
+                learn2pfed_experiment(experiment, params_path, root, "restart")
+        if experiments is None and params.tables:
+            tables_step(params_path, root)
+        return compare_step(chosen, params_path, root=root)
 
 
 def where_results(params_path: str, root: str, experiments: list[str] | None) -> str:

@@ -24,6 +24,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 
+from pfl_tasks.config import params_snapshot
 from pfl_tasks.errors import (
     CheckpointError, ComparisonError, ConfigError, DataValidationError, OutputLockedError, OutputPathError,
     PartitionError, RunStopped, SourceError, TrackingError,
@@ -215,12 +216,13 @@ def quiet_expected_errors() -> Iterator[None]:
 
 
 def stage_main(name: str, work: Callable[[], object]) -> int:
-    """Run `work` and map its end to an exit code: 0 done; 2 a clear error of config, data,
+    """Run `work` on one snapshot of the params files it reads and map its end to an exit code:
+    0 done; 2 a clear error of config (a params file edited while it ran among them), data,
     checkpoint, lock, output folder or tracking (one line); 128 + N stopped by signal N (SIGTERM
     and SIGHUP stop it cleanly, as SIGINT does); 1 anything else (traceback, then one line)."""
     previous = {sig: signal.signal(sig, _stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
-        with quiet_expected_errors():
+        with quiet_expected_errors(), params_snapshot():  # every flow run of the stage runs one version
             work()
     except RunStopped as err:
         print(f"{name} {err}", file=sys.stderr)

@@ -7,12 +7,13 @@ algorithm registry (`pfl_tasks.algorithms.validate_params`), which owns their ty
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
 import os
 import re
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterator
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
@@ -621,17 +622,54 @@ ParamsLoader.add_implicit_resolver(
 )
 
 
-def read_params(path: str | Path) -> dict:
-    """The raw params file, unvalidated; one over MAX_PARAMS_BYTES is refused unread."""
+# while a stage runs: each params file's bytes as the stage first read them (`params_snapshot`)
+_snapshot: dict[Path, bytes] | None = None
+
+
+@contextlib.contextmanager
+def params_snapshot() -> Iterator[None]:
+    """Every read of a params file inside this block (a stage) returns the bytes of its first
+    read, so that all its flow runs run one version. At the block's normal end a file edited
+    meanwhile is a ConfigError (the stage then fails, and DVC records nothing). Nested blocks
+    share the outermost snapshot."""
+    global _snapshot
+    if _snapshot is not None:
+        yield
+        return
+    _snapshot = {}
+    try:
+        yield
+        changed = [path for path, text in _snapshot.items() if _read_bytes(path, missing=b"") != text]
+        if changed:
+            raise ConfigError(f"{changed[0]} changed during the stage, which ran on the version it read first: "
+                              "rerun it (dvc repro) for the new one")
+    finally:
+        _snapshot = None
+
+
+def _read_bytes(path: Path, missing: bytes | None = None) -> bytes:
+    """At most MAX_PARAMS_BYTES + 1 bytes of `path` (`missing` for a file that is gone)."""
     try:
         with open(path, "rb") as fh:
-            size = os.fstat(fh.fileno()).st_size
-            text = fh.read(MAX_PARAMS_BYTES + 1)
+            return fh.read(MAX_PARAMS_BYTES + 1)
+    except FileNotFoundError:
+        if missing is None:
+            raise
+        return missing
+
+
+def read_params(path: str | Path) -> dict:
+    """The raw params file, unvalidated; one over MAX_PARAMS_BYTES is refused unread."""
+    key = Path(path).resolve()
+    try:
+        text = _snapshot[key] if _snapshot is not None and key in _snapshot else _read_bytes(Path(path))
     except OSError as err:
         raise ConfigError(f"cannot read {path}: {err}") from None
     if len(text) > MAX_PARAMS_BYTES:
-        raise ConfigError(f"{path}: {max(size, len(text)):,} bytes, over the {MAX_PARAMS_BYTES:,} bytes "
-                          "a params file may take")
+        size = max(len(text), os.stat(path).st_size)
+        raise ConfigError(f"{path}: {size:,} bytes, over the {MAX_PARAMS_BYTES:,} bytes a params file may take")
+    if _snapshot is not None:
+        _snapshot[key] = text
     stream = io.BytesIO(text)
     stream.name = str(path)  # for the marks of YAML's errors
     try:

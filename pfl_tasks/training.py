@@ -72,22 +72,35 @@ def finished_outcome(exp: ResolvedExperiment, run_name: str, raw_hp: dict, root:
     """The DVC metrics of this run when it already finished under this very identity (config,
     data, numeric code, platform) and budget, checkpoint and metrics naming one MLflow run:
     rerunning it would compute the same numbers. None when it has to run."""
+    return finished(exp, run_name, raw_hp, root)[0]
+
+
+def finished(exp: ResolvedExperiment, run_name: str, raw_hp: dict, root: Path) -> tuple[dict | None, str]:
+    """(`finished_outcome`, "") for a finished run; (None, why it is not) otherwise."""
     paths = RunPaths.of(root, exp.name, run_name, exp.seed)
     try:
         outcome = json.loads(paths.metrics.read_text())
+    except FileNotFoundError:
+        return None, f"no {paths.metrics}"
+    except (OSError, ValueError) as err:
+        return None, f"{paths.metrics} unreadable ({type(err).__name__})"
+    try:
         manifest = read_manifest(partition_dir(root, exp.dataset, exp.seed))
-    except (OSError, ValueError, DataValidationError):
-        return None
-    if outcome.get("status") != "finished" or not paths.checkpoint.exists():
-        return None
+    except DataValidationError as err:
+        return None, str(err)
+    if not isinstance(outcome, dict) or outcome.get("status") != "finished":
+        return None, f"{paths.metrics} says {outcome.get('status') if isinstance(outcome, dict) else outcome!r}"
     identity = run_identity(exp, run_name, raw_hp, manifest.table_sha256[:16])
     try:
         ckpt = load_checkpoint(paths.checkpoint, {k: identity[k] for k in ("experiment", "algorithm")})
-    except CheckpointError:
-        return None
+    except CheckpointError as err:
+        return None, str(err)
     problem, _ = checkpoint_problem(ckpt, identity, exp.federation.rounds)
-    same = problem is None and ckpt["round"] == exp.federation.rounds and ckpt.get("mlflow_run_id") == pinned_run(outcome)
-    return outcome if same else None
+    if problem is None and ckpt["round"] != exp.federation.rounds:
+        problem = f"it is at round {ckpt['round']} of {exp.federation.rounds}"
+    if problem is None and ckpt.get("mlflow_run_id") != pinned_run(outcome):
+        problem = f"it and {paths.metrics} name different MLflow runs"
+    return (None, problem) if problem else (outcome, "")
 
 
 def check_inputs(exp: ResolvedExperiment, runs: list[tuple[str, int]], root: Path, on_config_change: str) -> None:

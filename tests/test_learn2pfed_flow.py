@@ -44,7 +44,7 @@ def test_learn2pfed_head_on_upstream_body_resumes_and_lands_in_the_table(project
     resumed = learn2pfed_flow("tiny", "val", 0, path, str(project))
     straight = project / "straight"
     straight.mkdir()
-    for sub in ("data", "models/tiny"):
+    for sub in ("data", "models/tiny", "metrics/tiny"):
         (straight / sub).parent.mkdir(parents=True, exist_ok=True)
         (straight / sub).symlink_to(project / sub)
     fresh = learn2pfed_flow("tiny", "val", 0, path, str(straight))
