@@ -19,6 +19,7 @@ from pathlib import Path
 import flows  # noqa: F401  (environment defaults)
 from flows.stage import stage_main
 from pfl_tasks.config import load_params
+from pfl_tasks.errors import ComparisonError
 from pfl_tasks.files import OutputLock, atomic_write_text, remove_stale_temporaries
 from pfl_tasks.outputs import json_text
 from pfl_tasks.reports import best_line, configured_runs, flips, results_store, write_report
@@ -43,6 +44,8 @@ def compare(experiments: list[str] | None = None, params_path: str = "params.yam
     pinned = {e: configured_runs(params, e, root) if e in params.experiments else None for e in experiments}
     rankings = {}
     with OutputLock(root / LOCK, "the comparison reports"):
+        remove_stale_temporaries(root / RANKING)  # what a killed writer left
+        others = read_ranking(root / RANKING) if experiments_asked else {}  # kept for the experiments not compared
         for experiment in experiments:
             tuning = read_tuning(root, experiment) if experiment in params.tuning else None
             results = rankings[experiment] = write_report(client, experiment, root / REPORTS, root / FIGURES,
@@ -51,22 +54,35 @@ def compare(experiments: list[str] | None = None, params_path: str = "params.yam
             print(f"{experiment}: {ranked} methods ranked; client mean: {best_line(results)}; sample-weighted: "
                   f"{best_line(results, weighted=True)}; verdict flips between them: "
                   f"{', '.join(flipped) or 'none'} -> {root / REPORTS / experiment}.md")
-        write_ranking(root / RANKING, rankings, keep_others=bool(experiments_asked))
+        write_ranking(root / RANKING, rankings, others)
     return rankings
 
 
-def write_ranking(path: Path, rankings: dict[str, list], keep_others: bool) -> None:
+def read_ranking(path: Path) -> dict[str, dict]:
+    """The ranking file's entries ({} when there is none); a garbled one is a ComparisonError
+    naming it."""
+    if not path.exists():
+        return {}
+    try:
+        ranking = json.loads(path.read_text())
+        if not isinstance(ranking, dict) or not all(isinstance(v, dict) for v in ranking.values()):
+            raise ValueError("not a JSON object of experiments")
+    except (OSError, ValueError) as err:
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise ComparisonError(f"{path}: unreadable ({first}): delete it, or run `python -m flows.compare` "
+                              "without names to write it anew") from None
+    return ranking
+
+
+def write_ranking(path: Path, rankings: dict[str, list], others: dict[str, dict]) -> None:
     """DVC metrics `<experiment>.<method>.mean` (the client mean: the number its report ranks
     by) and `.weighted` (sample-weighted): each ranked method's two statistics, mean over seeds;
-    short keys, so that `dvc exp show` compares experiments in a terminal. `keep_others`: the
-    experiments not compared now keep their entries. Call as its one writer: what a killed
-    writer left of its temporaries is removed first."""
-    remove_stale_temporaries(path)
-    ranking = json.loads(path.read_text()) if keep_others and path.exists() else {}
-    ranking.update({experiment: {r.method: {"mean": r.personalized[0],
-                                            **({"weighted": r.weighted[0]} if r.weighted else {})}
-                                 for r in results if r.ranked}
-                    for experiment, results in rankings.items()})
+    short keys, so that `dvc exp show` compares experiments in a terminal. `others`: the entries
+    of the experiments not compared now, kept. Call as its one writer."""
+    ranking = {**others, **{experiment: {r.method: {"mean": r.personalized[0],
+                                                    **({"weighted": r.weighted[0]} if r.weighted else {})}
+                                         for r in results if r.ranked}
+                            for experiment, results in rankings.items()}}
     atomic_write_text(path, json_text(ranking))
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import logging
 import os
 import queue
@@ -33,6 +34,7 @@ from pfl_tasks.errors import (
 EXPECTED = (ConfigError, DataValidationError, PartitionError, SourceError, CheckpointError, OutputLockedError,
             OutputPathError, TrackingError, ComparisonError)
 PR_SET_PDEATHSIG = 1
+STORAGE_FULL = (errno.ENOSPC, errno.EDQUOT)  # a disk or quota full: one line, as an expected error
 OUR_SERVER = "PFL_PREFECT_SERVER"  # the URL of a server a stage or `make run` started, for its child processes
 DRAIN_SECONDS = 5.0  # the longest a stage waits at its end for its Prefect server to take the last logs and events
 
@@ -179,6 +181,11 @@ def _drop(worker) -> int:
     return dropped
 
 
+def expected(err: BaseException) -> bool:
+    """An error `stage_main` says in one line: a clear one of the project's, or a full disk."""
+    return isinstance(err, EXPECTED) or isinstance(err, OSError) and err.errno in STORAGE_FULL
+
+
 def _stop(signum, frame) -> None:
     raise RunStopped(signum)
 
@@ -194,7 +201,7 @@ class QuietExpectedErrors(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         run = getattr(record, "task_run_id", None) or getattr(record, "flow_run_id", None)
-        if record.exc_info and isinstance(record.exc_info[1], EXPECTED):
+        if record.exc_info and expected(record.exc_info[1]):
             if run is not None:
                 self.failed_runs.add(run)
             return False
@@ -218,8 +225,9 @@ def quiet_expected_errors() -> Iterator[None]:
 def stage_main(name: str, work: Callable[[], object]) -> int:
     """Run `work` on one snapshot of the params files it reads and map its end to an exit code:
     0 done; 2 a clear error of config (a params file edited while it ran among them), data,
-    checkpoint, lock, output folder or tracking (one line); 128 + N stopped by signal N (SIGTERM
-    and SIGHUP stop it cleanly, as SIGINT does); 1 anything else (traceback, then one line)."""
+    checkpoint, lock, output folder or tracking, or a full disk (one line); 128 + N stopped by
+    signal N (SIGTERM and SIGHUP stop it cleanly, as SIGINT does); 1 anything else (traceback,
+    then one line)."""
     previous = {sig: signal.signal(sig, _stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
         with quiet_expected_errors(), params_snapshot():  # every flow run of the stage runs one version
@@ -230,13 +238,15 @@ def stage_main(name: str, work: Callable[[], object]) -> int:
     except KeyboardInterrupt:
         print(f"{name} stopped by SIGINT", file=sys.stderr)
         return 128 + signal.SIGINT
-    except EXPECTED as err:
+    except Exception as err:
+        if not expected(err):
+            traceback.print_exc()
+            print(f"{name} failed: {type(err).__name__}: {err}", file=sys.stderr)
+            return 1
+        if isinstance(err, OSError):
+            err = f"{err.strerror}: {err.filename}: make room and rerun (finished runs are kept, others resume)"
         print(f"{name} failed: {err}", file=sys.stderr)
         return 2
-    except Exception as err:
-        traceback.print_exc()
-        print(f"{name} failed: {type(err).__name__}: {err}", file=sys.stderr)
-        return 1
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

@@ -37,7 +37,8 @@ from pfl_tasks.engine.federation import Federation
 from pfl_tasks.engine.state import gather
 from pfl_tasks.engine.steps import InlineSteps, Steps, play_rounds, run_round
 from pfl_tasks.errors import ConfigError
-from pfl_tasks.tracking import open_store, tracking_uri
+from pfl_tasks.outputs import pinned_run
+from pfl_tasks.tracking import open_store, tracking_uri, unmarked_runs
 from pfl_tasks.training import check_inputs, finished_outcome, train_run
 from pfl_tasks.tuning import tuned
 
@@ -250,17 +251,26 @@ def train_experiment(
             todo.append((run_name, seed))
         else:
             results[run_name, seed] = outcome
-    if len(todo) < len(runs):
-        print(f"{experiment}: {len(runs) - len(todo)} of {len(runs)} runs already finished under the same "
-              "config, data and code: kept")
     check_inputs(exp, todo, Path(root), on_config_change)
-    if todo:
-        print(f"{experiment}: {torch_threads(exp.engine)} torch thread(s) a process (engine.threads: "
-              f"{exp.engine.threads}; {usable_cores()} cores, {exp.engine.max_workers} chunk workers)")
     orchestrated = exp.engine.orchestrator == "prefect"
     if orchestrated and todo:
         check_prefect_api()
-    open_store(tracking_uri(params.tracking.mlflow_uri))
+    uri = tracking_uri(params.tracking.mlflow_uri)
+    open_store(uri)
+    kept = {pinned_run(outcome): key for key, outcome in results.items()}
+    unmarked = [kept[run_id] for run_id in unmarked_runs(uri, list(kept), params.tracking.retry_seconds)]
+    if unmarked:  # a finished run is one whose checkpoint, metrics and MLflow mark agree
+        print(f"{experiment}: {len(unmarked)} finished runs are not marked FINISHED in {uri} (failed, left "
+              "RUNNING or lost with the store): resumed from their last checkpoints to log and mark them")
+        todo = [key for key in runs if key in todo or key in unmarked]
+        if orchestrated:
+            check_prefect_api()
+    if len(todo) < len(runs):
+        print(f"{experiment}: {len(runs) - len(todo)} of {len(runs)} runs already finished under the same "
+              "config, data and code: kept")
+    if todo:
+        print(f"{experiment}: {torch_threads(exp.engine)} torch thread(s) a process (engine.threads: "
+              f"{exp.engine.threads}; {usable_cores()} cores, {exp.engine.max_workers} chunk workers)")
     with prefect_api() if orchestrated and todo else contextlib.nullcontext():
         for run_name, seed in todo:
             if orchestrated:

@@ -46,8 +46,10 @@ def atomic_write(path: Path, write: Callable[[IO], None], binary: bool = False, 
                 fh.flush()
                 os.fsync(fh.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as err:
         Path(tmp).unlink(missing_ok=True)
+        if isinstance(err, OSError) and err.filename is None:  # a failed write names no file: this one
+            err.filename = str(path)
         raise
 
 

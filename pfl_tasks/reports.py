@@ -84,8 +84,10 @@ def results_store(uri: str, experiments: list[str], params_path: str, every: boo
     if len(held) < len(experiments) and (every or not held):
         first = ("`dvc repro` (or `make run`)" if Path(params_path) == Path("params.yaml")
                  else f"`python -m flows.pipeline --params {params_path}`")
-        raise ComparisonError(f"no runs of experiment(s) {[e for e in experiments if e not in held]} in {uri}: "
-                              f"run {first} first")
+        missing = [e for e in experiments if e not in held]
+        raise ComparisonError(f"no runs of experiment(s) {missing} in {uri}: run {first} first (a store lost or "
+                              f"reset: `python -m flows.train {missing[0]}` logs its finished runs anew from their "
+                              "checkpoints)")
     return client, held
 
 
@@ -123,7 +125,8 @@ def collect(client, experiment: str, only: dict[tuple[str, int], str | None] | N
             continue
         chosen.setdefault(key[0], {}).setdefault(key[1], run)
     if not chosen:
-        raise ComparisonError(f"MLflow experiment '{experiment}' has no finished runs tagged with an algorithm")
+        raise ComparisonError(f"MLflow experiment '{experiment}' has no finished runs tagged with an algorithm "
+                              f"(`python -m flows.train {experiment}` marks those its checkpoints and metrics finished)")
     return chosen
 
 

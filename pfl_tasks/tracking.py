@@ -206,7 +206,6 @@ class MlflowRun:
                  tags: dict[str, str] | None = None, stopping: Callable[[], None] = lambda: None):
         """`tags` are set at creation (or on resume), so a run is findable from its first moment;
         `stopping` may give up a store call that waits (see `retrying`)."""
-        import mlflow
         from mlflow.entities import RunTag
         from mlflow.tracking import MlflowClient
 
@@ -217,19 +216,16 @@ class MlflowRun:
         exp = self._call("get experiment", self.client.get_experiment_by_name, experiment)
         exp_id = exp.experiment_id if exp else self._call(
             "create experiment", self.client.create_experiment, experiment, artifact_location(tracking_uri(uri), experiment))
-        if run_id is not None:
-            try:
-                run = self._call("get run", self.client.get_run, run_id)
-                self.run_id = run.info.run_id
-                self._call("resume run", self.client.update_run, self.run_id, status="RUNNING")
-                for stale in ("failure", "diverged_at"):  # of the attempt this one resumes
-                    if stale in run.data.tags:
-                        self._call("resume run", self.client.delete_tag, self.run_id, stale)
-                self._call("tag run", self.client.log_batch, self.run_id,
-                           tags=[RunTag(k, v) for k, v in (tags or {}).items()])
-                return
-            except mlflow.exceptions.MlflowException:
-                pass  # the store was reset: start a new run
+        run = None if run_id is None else self._call("get run", stored_run, self.client, run_id)
+        if run is not None:
+            self.run_id = run.info.run_id
+            self._call("resume run", self.client.update_run, self.run_id, status="RUNNING")
+            for stale in ("failure", "diverged_at"):  # of the attempt this one resumes
+                if stale in run.data.tags:
+                    self._call("resume run", self.client.delete_tag, self.run_id, stale)
+            self._call("tag run", self.client.log_batch, self.run_id,
+                       tags=[RunTag(k, v) for k, v in (tags or {}).items()])
+            return
         self.run_id = self._call("create run", self.client.create_run, exp_id, run_name=run_name,
                                  tags=tags or {}).info.run_id
 
@@ -326,6 +322,29 @@ class MlflowRun:
         if reason is not None:
             self._call("tag failure", self.client.set_tag, self.run_id, "failure", reason[:5000], bound=bound)
         self._call("end run", self.client.set_terminated, self.run_id, status=status, bound=bound)
+
+
+def stored_run(client, run_id: str):
+    """The store's run `run_id`, None when the store does not hold it (it was reset, or lost);
+    every other error raises."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        return client.get_run(run_id)
+    except MlflowException as err:
+        if err.error_code == "RESOURCE_DOES_NOT_EXIST":
+            return None
+        raise
+
+
+def unmarked_runs(uri: str, run_ids: list[str], retry_seconds: float) -> list[str]:
+    """Those of `run_ids` that the store does not hold marked FINISHED (failed, still RUNNING, or
+    gone from a lost or reset store)."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=uri)
+    runs = {run_id: retrying(lambda r=run_id: stored_run(client, r), "get run", retry_seconds) for run_id in run_ids}
+    return [run_id for run_id, run in runs.items() if run is None or run.info.status != "FINISHED"]
 
 
 def _alive(pid: str | None) -> bool:

@@ -5,6 +5,10 @@ in one line naming what is wrong."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,7 +16,10 @@ import yaml
 
 import flows.train
 from conftest import mlflow_uri, tiny_params
+from pfl_tasks.outputs import PINNED_RUN, pinned_run
 from pfl_tasks.runs import RunPaths
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def configured_lr(root, run_name: str) -> float:
@@ -68,3 +75,160 @@ def test_learn2pfed_refuses_an_upstream_checkpoint_of_other_params_in_one_line(p
         "data and code of train-tiny (configuration changed (experiment.model.hidden")
     assert err[0].endswith("run `dvc repro train-tiny` first"), err
     assert not (project / "models" / "learn2pfed").exists()
+
+
+# ----------------------------------------------------------------------------- MLflow marks
+def own_store_params(project, **federation) -> tuple[str, str]:
+    """The tiny FedAvg params with a store of the project's own: (params path, store URI)."""
+    data = tiny_params(algorithms=["fedavg"])
+    data["federation"].update(federation)
+    uri = f"sqlite:///{project}/mlflow.db"
+    data["tracking"] = {"mlflow_uri": uri, "retry_seconds": 5}
+    (project / "params.yaml").write_text(yaml.safe_dump(data))
+    return str(project / "params.yaml"), uri
+
+
+def output_runs(uri: str):
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(uri)
+    exp = client.get_experiment_by_name("tiny")
+    return client, (client.search_runs([exp.experiment_id]) if exp else [])
+
+
+def test_a_finished_run_whose_mlflow_mark_failed_is_marked_by_the_rerun(project, capsys):
+    """Finished means checkpoint, metrics and MLflow mark agree: a kept run that MLflow shows
+    FAILED is resumed and marked, its numbers unchanged."""
+    from flows.train import train_experiment
+
+    path, uri = own_store_params(project)
+    train_experiment("tiny", path, str(project))
+    metrics = RunPaths.of(project, "tiny", "fedavg", 0).metrics
+    before = metrics.read_bytes()
+    client, [run] = output_runs(uri)
+    client.set_terminated(run.info.run_id, "FAILED")
+    capsys.readouterr()
+    train_experiment("tiny", path, str(project))
+    assert "1 finished runs are not marked FINISHED" in capsys.readouterr().out
+    _, [after] = output_runs(uri)
+    assert (after.info.run_id, after.info.status) == (run.info.run_id, "FINISHED")
+    assert metrics.read_bytes() == before
+
+
+def test_a_lost_store_is_rebuilt_from_the_checkpoints(project):
+    """A deleted mlflow.db (a new process: this one's MLflow client keeps the deleted file
+    open): the rerun logs every kept run anew, history and final numbers, from
+    its checkpoint; the metrics file then names the new run and keeps its numbers."""
+    from flows.train import train_experiment
+
+    path, uri = own_store_params(project)
+    train_experiment("tiny", path, str(project))
+    metrics = RunPaths.of(project, "tiny", "fedavg", 0).metrics
+    before = json.loads(metrics.read_text())
+    client, [run] = output_runs(uri)
+    key = "val/personalized/acc_mean"
+    history = [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, key)]
+    (project / "mlflow.db").unlink()
+    rerun = subprocess.run([sys.executable, "-m", "flows.train", "tiny", "--params", path, "--root", str(project)],
+                           cwd=REPO, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert rerun.returncode == 0, rerun.stderr
+    assert "1 finished runs are not marked FINISHED" in rerun.stdout
+    client, [rebuilt] = output_runs(uri.replace("/mlflow.db", "/./mlflow.db"))  # a new client for the new file
+    assert rebuilt.info.status == "FINISHED" and rebuilt.info.run_id != run.info.run_id
+    assert [(m.step, m.value) for m in client.get_metric_history(rebuilt.info.run_id, key)] == history
+    assert rebuilt.data.metrics == run.data.metrics
+    after = json.loads(metrics.read_text())
+    assert pinned_run(after) == rebuilt.info.run_id
+    assert {k: v for k, v in after.items() if k != PINNED_RUN} == {k: v for k, v in before.items() if k != PINNED_RUN}
+
+
+def test_an_mlflow_error_resuming_a_run_is_raised_not_split_into_a_new_run(project, monkeypatch):
+    """Only "no such run" starts a new MLflow run on resume; any other store error fails the
+    run, which keeps its one MLflow run."""
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    from flows.train import train_experiment
+    from pfl_tasks.engine.federation import Federation
+
+    path, uri = own_store_params(project)
+    evaluate = Federation.evaluate
+    monkeypatch.setattr(Federation, "evaluate", lambda fed, state: evaluate(fed, state) if state.round < 4 else 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        train_experiment("tiny", path, str(project))
+    monkeypatch.setattr(Federation, "evaluate", evaluate)
+
+    def refused(self, run_id, *args, **kwargs):
+        raise MlflowException("the store refused the update", error_code="INTERNAL_ERROR")
+
+    monkeypatch.setattr(MlflowClient, "update_run", refused)
+    with pytest.raises(MlflowException, match="refused the update"):
+        train_experiment("tiny", path, str(project))
+    _, runs = output_runs(uri)
+    assert [r.info.status for r in runs] == ["FAILED"]
+
+
+# ----------------------------------------------------------------------------- the files a stage reads and writes
+@pytest.fixture
+def compared(tmp_path, monkeypatch):
+    """A project whose store holds one finished FedAvg run of experiment `<name>`: (root, name)."""
+    from test_reports import log_run
+
+    name = f"hostile-stages-{os.getpid()}"
+    log_run(tmp_path, name, "fedavg", 0, [0.5, 0.7])
+    data = tiny_params(algorithms=["fedavg"], seeds=[0])
+    data["experiments"] = {name: data["experiments"]["tiny"]}
+    data["tracking"] = {"mlflow_uri": mlflow_uri()}
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(data))
+    monkeypatch.chdir(tmp_path)
+    return tmp_path, name
+
+
+@pytest.mark.parametrize("content, problem", [
+    ("<<<<<<< HEAD\n{}\n=======\n{}\n>>>>>>> theirs\n", "Expecting value: line 1 column 1"),
+    ("[1, 2]", "not a JSON object of experiments"),
+    ('{"mnist": 3}', "not a JSON object of experiments"),
+])
+def test_a_garbled_ranking_file_is_one_line_naming_it_and_nothing_is_written(compared, capsys, content, problem):
+    from flows.compare import main as compare_main
+
+    root, name = compared
+    ranking = root / "reports" / "ranking.json"
+    ranking.parent.mkdir()
+    ranking.write_text(content)
+    assert compare_main([name]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"compare failed: reports/ranking.json: unreadable ({problem}"
+                   f"{'' if problem.startswith('not') else ' (char 0)'}): delete it, or run `python -m flows.compare` "
+                   "without names to write it anew"]
+    assert ranking.read_text() == content and not (root / "reports" / "compare").exists()
+
+
+def test_a_full_disk_is_one_line_naming_the_file_and_leaves_no_temporary(compared, capsys, monkeypatch):
+    import errno
+
+    import pfl_tasks.files
+    from flows.compare import main as compare_main
+
+    fdopen = os.fdopen
+
+    class Full:
+        def __init__(self, fd, mode):
+            self.fh = fdopen(fd, mode)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.fh.close()
+
+        def write(self, data):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(pfl_tasks.files.os, "fdopen", Full)  # every atomic write
+    root, name = compared
+    assert compare_main([name]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("compare failed: No space left on device: reports/"), err
+    assert err[0].endswith(": make room and rerun (finished runs are kept, others resume)")
+    assert not [p for p in root.rglob(".*") if p.is_file()]
