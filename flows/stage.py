@@ -36,6 +36,10 @@ EXPECTED = (ConfigError, DataValidationError, PartitionError, SourceError, Check
 PR_SET_PDEATHSIG = 1
 STORAGE_FULL = (errno.ENOSPC, errno.EDQUOT)  # a disk or quota full: one line, as an expected error
 OUR_SERVER = "PFL_PREFECT_SERVER"  # the URL of a server a stage or `make run` started, for its child processes
+_APIS: set[str] = set()  # the Prefect APIs this process's flows reported to
+_DEAD: set[str] = set()  # those of them found dead
+# the loggers that report, record by record, what a dead Prefect server did not take
+DEAD_SERVER_NOISE = ("prefect.events.clients", "prefect._internal.concurrency")
 DRAIN_SECONDS = 5.0  # the longest a stage waits at its end for its Prefect server to take the last logs and events
 
 
@@ -84,23 +88,29 @@ def check_prefect_api() -> None:
 def prefect_api(ui: bool = False) -> Iterator[str]:
     """The Prefect API this stage's flows report to: PREFECT_API_URL when set, else a server of
     the stage's own (with its web UI if `ui`), stopped (SIGTERM to its PID) when the stage
-    ends, however it ends. On a server of ours (this stage's, or `make run`'s) flow runs send
+    ends, however it ends. A server of ours (this stage's, or `make run`'s) gets one retry per
+    request, so that a dead one ends the stage in seconds (`prefect_unreachable`). On it (this stage's, or `make run`'s) flow runs send
     no heartbeats: those feed only the automations that detect crashed runs, and ours run none
     (PREFECT_SERVER_SERVICES_TRIGGERS_ENABLED=false), while waiting for the heartbeat thread
     costs every flow run about a second (0.12 s without)."""
     from prefect.settings import (
-        PREFECT_API_URL, PREFECT_FLOWS_HEARTBEAT_FREQUENCY, PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS,
-        temporary_settings,
+        PREFECT_API_URL, PREFECT_CLIENT_MAX_RETRIES, PREFECT_FLOWS_HEARTBEAT_FREQUENCY,
+        PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS, temporary_settings,
     )
 
+    # a server of ours is on this machine: a request it fails twice (about 2 s) means it died;
+    # the client's default, 5 retries, waits about 70 s per request for a dead server
+    ours = {PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None, PREFECT_CLIENT_MAX_RETRIES: 1}
     if PREFECT_API_URL.value():
         check_prefect_api()
-        ours = PREFECT_API_URL.value() == os.environ.get(OUR_SERVER)
-        with temporary_settings({PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}) if ours else contextlib.nullcontext():
+        mine = PREFECT_API_URL.value() == os.environ.get(OUR_SERVER)
+        _APIS.add(PREFECT_API_URL.value())
+        with temporary_settings(ours) if mine else contextlib.nullcontext():
             yield PREFECT_API_URL.value()
         return
     port = _free_port()
     url = f"http://127.0.0.1:{port}/api"
+    _APIS.add(url)
     with tempfile.TemporaryFile("w+") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
@@ -118,7 +128,7 @@ def prefect_api(ui: bool = False) -> Iterator[str]:
                         log.seek(0)
                         raise RuntimeError(f"the stage's Prefect server did not start:\n{log.read()[-2000:]}") from None
                     time.sleep(0.2)
-            with temporary_settings({PREFECT_API_URL: url, PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
+            with temporary_settings({PREFECT_API_URL: url, **ours}):
                 os.environ["PREFECT_API_URL"] = os.environ[OUR_SERVER] = url  # and for child processes (dvc's stages)
                 try:
                     yield url
@@ -186,6 +196,33 @@ def expected(err: BaseException) -> bool:
     return isinstance(err, EXPECTED) or isinstance(err, OSError) and err.errno in STORAGE_FULL
 
 
+def dead_apis() -> list[str]:
+    """The Prefect APIs of this process that no longer answer their health check (once dead,
+    always dead: a server of ours is not restarted)."""
+    for url in _APIS - _DEAD:
+        try:
+            with urllib.request.urlopen(f"{url.rstrip('/')}/health", timeout=1):
+                pass
+        except urllib.error.HTTPError:
+            pass
+        except OSError:
+            _DEAD.add(url)
+    return sorted(_DEAD)
+
+
+def prefect_unreachable(err: BaseException) -> str | None:
+    """The Prefect API URL that `err` (or its cause) failed to reach, None for any other error."""
+    import httpx
+
+    while err is not None:
+        if isinstance(err, httpx.TransportError):
+            with contextlib.suppress(RuntimeError):  # an error with no request
+                failed = str(err.request.url)
+                return next((url for url in _APIS if failed.startswith(url)), None)
+        err = err.__cause__ or err.__context__
+    return None
+
+
 def _stop(signum, frame) -> None:
     raise RunStopped(signum)
 
@@ -200,8 +237,10 @@ class QuietExpectedErrors(logging.Filter):
         self.failed_runs: set[str] = set()
 
     def filter(self, record: logging.LogRecord) -> bool:
+        if record.name in DEAD_SERVER_NOISE and dead_apis():  # `stage_main` says it, once
+            return False
         run = getattr(record, "task_run_id", None) or getattr(record, "flow_run_id", None)
-        if record.exc_info and expected(record.exc_info[1]):
+        if record.exc_info and (expected(record.exc_info[1]) or prefect_unreachable(record.exc_info[1])):
             if run is not None:
                 self.failed_runs.add(run)
             return False
@@ -211,13 +250,22 @@ class QuietExpectedErrors(logging.Filter):
 @contextlib.contextmanager
 def quiet_expected_errors() -> Iterator[None]:
     """`QuietExpectedErrors` on the root logger's handlers, where Prefect's run loggers reach
-    the console."""
-    handlers, quiet = list(logging.getLogger().handlers), QuietExpectedErrors()
+    the console, and on those of its internal loggers; and no "--- Error logging to API ---" per batch of logs a dead server did not
+    take (Prefect prints those only while `logging.raiseExceptions`, the stdlib's debug mode)."""
+    handlers = set(logging.getLogger().handlers)
+    for name in DEAD_SERVER_NOISE:  # Prefect's internal loggers have handlers of their own
+        logger = logging.getLogger(name)
+        while logger is not None:
+            handlers.update(logger.handlers)
+            logger = logger.parent if logger.propagate else None
+    quiet, raising = QuietExpectedErrors(), logging.raiseExceptions
     for handler in handlers:
         handler.addFilter(quiet)
+    logging.raiseExceptions = False
     try:
         yield
     finally:
+        logging.raiseExceptions = raising
         for handler in handlers:
             handler.removeFilter(quiet)
 
@@ -239,6 +287,11 @@ def stage_main(name: str, work: Callable[[], object]) -> int:
         print(f"{name} stopped by SIGINT", file=sys.stderr)
         return 128 + signal.SIGINT
     except Exception as err:
+        url = prefect_unreachable(err)
+        if url is not None:
+            print(f"{name} failed: the Prefect server at {url} stopped answering ({err}): rerun the stage "
+                  "(finished runs are kept, the others resume from their last checkpoints)", file=sys.stderr)
+            return 2
         if not expected(err):
             traceback.print_exc()
             print(f"{name} failed: {type(err).__name__}: {err}", file=sys.stderr)

@@ -185,3 +185,47 @@ def test_hostile_outage_of_the_mlflow_store_lets_signals_stop_the_run_within_sec
     else:
         assert len(left) == 1 and "not marked KILLED (MLflow store unavailable for 5 s" in left[0], stderr
         assert 5 <= ended - moments["signal"] < 9 and run.info.status == "RUNNING", stderr
+
+
+def test_hostile_outage_a_stage_whose_prefect_server_is_killed_ends_in_seconds_in_one_line(tmp_path, prepared_digits):
+    """The stage's own Prefect server killed -9 mid-run: the run under way finishes (its steps
+    do not wait on the server), the flow's end report fails within seconds (one retry a request
+    on a server of ours, not the client's five), the stage exits 2 saying so in one line, with
+    no traceback, and the rerun keeps the finished run and trains the others."""
+    import shutil
+
+    import psutil
+    import yaml
+
+    from conftest import tiny_params
+
+    shutil.copytree(prepared_digits, tmp_path / "data" / "partitions" / "digits")
+    data = tiny_params(algorithms=["fedavg", "local"])
+    data["engine"] = {"orchestrator": "prefect", "device": "cpu"}
+    data["federation"] = {"rounds": 20, "eval_every": 1, "checkpoint_every": 5}
+    data["tracking"] = {"mlflow_uri": f"sqlite:///{tmp_path}/mlflow.db"}
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(data))
+    env = {**{k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}, "PYTHONPATH": str(REPO), "CI": "true"}
+    stage = subprocess.Popen([sys.executable, "-m", "flows.train", "tiny"], cwd=tmp_path, env=env, text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    lines = []
+    for line in stage.stdout:
+        lines.append(line)
+        if "tiny/fedavg/seed0 round 3:" in line:
+            break
+    [server] = [p for p in psutil.Process(stage.pid).children() if "server" in p.cmdline()]
+    server.kill()
+    killed = time.monotonic()
+    lines += stage.stdout.readlines()
+    assert stage.wait() == 2, "".join(lines)
+    assert time.monotonic() - killed < 30, "".join(lines)
+    assert "Traceback" not in "".join(lines) and "--- Error logging to API" not in "".join(lines)
+    assert re.fullmatch(r"train failed: the Prefect server at http://127\.0\.0\.1:\d+/api stopped answering \(.+\): "
+                        r"rerun the stage \(finished runs are kept, the others resume from their last checkpoints\)\n",
+                        lines[-1]), "".join(lines)
+    assert not [line for line in lines[lines.index(next(l for l in lines if "round 20:" in l)) + 1:-1]
+                if "the stage's Prefect server died" not in line], "".join(lines)
+    rerun = subprocess.run([sys.executable, "-m", "flows.train", "tiny"], cwd=tmp_path, env=env, text=True,
+                           capture_output=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stderr
+    assert "1 of 2 runs already finished under the same config, data and code: kept" in rerun.stdout
