@@ -43,7 +43,8 @@ DEAD_SERVER_NOISE = ("prefect.events.clients", "prefect._internal.concurrency")
 DRAIN_SECONDS = 5.0  # the longest a stage waits at its end for its Prefect server to take the last logs and events
 
 
-def _die_with(parent: int) -> Callable[[], None]:
+def die_with(parent: int) -> Callable[[], None]:
+    """A `preexec_fn` whose child gets SIGTERM when `parent` dies, however it dies."""
     def preexec() -> None:  # in the child, before exec
         with contextlib.suppress(OSError, AttributeError):
             ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
@@ -114,7 +115,7 @@ def prefect_api(ui: bool = False) -> Iterator[str]:
     with tempfile.TemporaryFile("w+") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with(os.getpid()),
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with(os.getpid()),
             env={**os.environ, "PREFECT_SERVER_UI_ENABLED": str(ui).lower()},
         )
         try:

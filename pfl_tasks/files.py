@@ -138,18 +138,20 @@ class OutputLock:
     owner dies, however it dies, so a stale lock is simply taken over. A lock file deleted under
     its owner (`rm -rf .locks`) would let a second writer in: `verify` finds that out."""
 
-    def __init__(self, path: Path, what: str):
-        self.path, self.what = Path(path), what
+    def __init__(self, path: Path, what: str, doing: str = "written by another process"):
+        self.path, self.what, self.doing = Path(path), what, doing
         self._fd: int | None = None
 
     def __enter__(self) -> OutputLock:
         holder = self._take()
         if holder is not None:
-            raise OutputLockedError(
-                f"{self.what} is being written by another process (PID {holder}, lock {self.path}); "
-                "wait for it or stop it"
-            )
+            raise OutputLockedError(f"{self.what} is being {self.doing} (PID {holder}, lock {self.path}); "
+                                    "wait for it or stop it")
         return self
+
+    def fileno(self) -> int:
+        """The locked file: a child process given it holds the lock until it ends too."""
+        return self._fd
 
     def __exit__(self, *exc) -> None:
         if self._fd is not None:

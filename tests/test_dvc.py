@@ -243,3 +243,42 @@ def test_make_run_serves_one_prefect_ui_and_stops_it_however_dvc_ends(repo_copy)
         with socket.socket() as sock:  # nothing listens there any more
             assert sock.connect_ex((where.hostname, where.port)) != 0
     assert "not found inside 'dvc.yaml'" in out.stderr  # dvc's own error, then its status
+
+
+def test_make_run_is_one_at_a_time_and_its_process_group_dies_together(repo_copy):
+    """A second `make run` in a checkout is refused in one line; a kill -9 of `make run`'s
+    process group mid-stage leaves no process behind (`dvc repro` and its stages are in the
+    group; the Prefect server dies with its parent), and the next `make run` just runs."""
+    import signal
+
+    import psutil
+
+    from pfl_tasks.files import OutputLock
+
+    root, env = repo_copy
+    env = {k: v for k, v in env.items() if k not in ("PREFECT_API_URL", OUR_SERVER)}
+    with OutputLock(root / ".locks" / "make-run.lock", "the test's"):
+        out = subprocess.run([sys.executable, "-m", "flows.repro"], cwd=root, env=env, capture_output=True,
+                             text=True, timeout=120)
+    assert out.returncode == 2 and out.stderr.strip().splitlines() == [
+        f"make run failed: this checkout's pipeline is being run by another `make run` (PID {os.getpid()}, "
+        "lock .locks/make-run.lock); wait for it or stop it"], out.stderr
+
+    for outputs in ("models", "metrics"):  # so that train-tiny trains
+        shutil.rmtree(root / outputs / "tiny")
+    make = subprocess.Popen([sys.executable, "-m", "flows.repro", "train-tiny"], cwd=root, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    lines = []
+    for line in make.stdout:  # until the stage's first run finished: the others are under way
+        lines.append(line)
+        if re.match(r"tiny/\w+/seed0: 2 rounds in", line):
+            break
+    family = psutil.Process(make.pid).children(recursive=True)
+    assert any("flows.train" in " ".join(p.cmdline()) for p in family), "".join(lines)
+    os.killpg(make.pid, signal.SIGKILL)
+    make.wait()
+    _, alive = psutil.wait_procs(family, timeout=10)
+    assert not alive, [p.cmdline() for p in alive]
+    out = subprocess.run([sys.executable, "-m", "flows.repro"], cwd=root, env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
