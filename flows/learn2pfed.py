@@ -38,6 +38,7 @@ from pfl_tasks.config import Learn2pFedConfig, ResolvedExperiment, config_hash, 
 from pfl_tasks.data import FederatedData, load_partition, partition_dir
 from pfl_tasks.data.store import read_manifest
 from pfl_tasks.engine.checkpoint import load_checkpoint, save_checkpoint
+from pfl_tasks.engine.federation import tree_mismatch
 from pfl_tasks.errors import CheckpointError, ConfigError
 from pfl_tasks.imports import ROOT, code_hash, numeric_code
 from pfl_tasks.nets import build_net, embed, head_keys, split_net
@@ -73,6 +74,10 @@ def learn2pfed_code(params, experiment: str) -> list[Path]:
     modules = [ROOT / "pfl_tasks/algorithms/learn2pfed.py", ROOT / "pfl_tasks/algorithms/learn2pfed_meta.py"]
     code = numeric_code(*modules, *([source_file(upstream, hyper[upstream])] if upstream else []))
     return sorted({Path(__file__).relative_to(ROOT), *code})
+
+
+def first_line(err: BaseException) -> str:
+    return f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0][:200]}"
 
 
 def upstream_checkpoint(params, experiment: str, run_name: str, seed: int, root: Path) -> tuple[Path, dict]:
@@ -112,12 +117,19 @@ def upstream_features(exp: ResolvedExperiment, params, data: FederatedData, run_
     (path, hyper), where = upstream_checkpoint(params, exp.name, run_name, exp.seed, root), \
         f"learn2pfed.{exp.name}.features_from"
     ckpt = load_checkpoint(path, {"experiment": exp.name, "algorithm": run_name})
-    model = build(run_name, hyper).global_model(ckpt["server"], ckpt["clients"])
+    try:
+        model = build(run_name, hyper).global_model(ckpt["server"], ckpt["clients"])
+    except (KeyError, TypeError, ValueError, RuntimeError) as err:
+        raise CheckpointError(f"{path}: no global model in its state ({first_line(err)})") from None
     if model is None:
         raise ConfigError(f"{where}: '{run_name}' has no global model to take a body from")
     if len(head_keys(model)) != 2 or len(model) == 2:
         raise ConfigError(f"{where}: '{run_name}' needs a body and a last layer with weight and bias")
-    body, body_params, _, head = split_net(build_net(exp.model, data.feature_shape, data.n_outputs), model)
+    net = build_net(exp.model, data.feature_shape, data.n_outputs)
+    problem = tree_mismatch({k: v.detach() for k, v in net.named_parameters()}, model, "its global model")
+    if problem is not None:
+        raise CheckpointError(f"{path}: not a model of learn2pfed.{exp.name}'s experiment: {problem}")
+    body, body_params, _, head = split_net(net, model)
 
     @torch.no_grad()
     def features(x):
@@ -222,10 +234,13 @@ def learn2pfed_flow(experiment: str, supervision: str, seed: int, params_path: s
              on_config_change=on_config_change) as run:
         history = []  # {"epoch", "meta/loss" (supervised), "meta/fit_loss"} per meta-epoch
         if run.resumed is not None:
-            cells.load_state_dict(run.resumed["cells"])
-            opt.load_state_dict(run.resumed["optimizer"])
-            history = run.resumed["history"]
-            best = Best(**run.resumed["best"])
+            try:
+                cells.load_state_dict(run.resumed["cells"])
+                opt.load_state_dict(run.resumed["optimizer"])
+                history = run.resumed["history"]
+                best = Best(**run.resumed["best"])
+            except (KeyError, TypeError, ValueError, RuntimeError) as err:
+                raise CheckpointError(f"{paths.checkpoint}: not this run's state ({first_line(err)})") from None
             print(f"{run.label}: resuming from meta-epoch {len(history)}")
         run.track(exp.name,
                   flatten({"experiment": exp.model_dump(mode="json", exclude={"hyper"}),

@@ -251,7 +251,10 @@ def train_experiment(
             todo.append((run_name, seed))
         else:
             results[run_name, seed] = outcome
-    check_inputs(exp, todo, Path(root), on_config_change)
+    try:
+        check_inputs(exp, todo, Path(root), on_config_change)
+    except ConfigError as err:  # a key of the params file
+        raise ConfigError(f"{params_path}: {err}") from None
     orchestrated = exp.engine.orchestrator == "prefect"
     if orchestrated and todo:
         check_prefect_api()

@@ -19,7 +19,7 @@ from pfl_tasks.data import FederatedData, load_partition, partition_dir
 from pfl_tasks.data.store import read_manifest
 from pfl_tasks.engine.checkpoint import load_checkpoint
 from pfl_tasks.engine.device import describe, platform, resolve_device, torch_threads
-from pfl_tasks.engine.federation import Federation, RunState
+from pfl_tasks.engine.federation import Federation, RunState, clients_per_round
 from pfl_tasks.engine.steps import Steps
 from pfl_tasks.errors import CheckpointError, DataValidationError
 from pfl_tasks.imports import code_hash, numeric_code
@@ -106,11 +106,12 @@ def finished(exp: ResolvedExperiment, run_name: str, raw_hp: dict, root: Path) -
 def check_inputs(exp: ResolvedExperiment, runs: list[tuple[str, int]], root: Path, on_config_change: str) -> None:
     """What `runs` (algorithm, seed) read and write, checked before the store opens, Prefect
     starts or a lock is taken, so that a bad input leaves nothing behind: the device, each seed's
-    partition, each run's output folders and its checkpoint (readable and this run's; under
-    `refuse`, of this configuration and platform too)."""
+    partition, the federation each run asks of it, each run's output folders and its checkpoint
+    (readable and this run's; under `refuse`, of this configuration and platform too)."""
     resolve_device(exp.engine.device)
     for run_name, seed in runs:
         data = partition(partition_dir(root, exp.dataset, seed))  # cached for the run
+        clients_per_round(exp.for_run(run_name, seed), build(run_name, exp.hyper[run_name]), data.n_clients)
         paths = RunPaths.of(root, exp.name, run_name, seed)
         paths.check_writable()
         if on_config_change == "refuse":  # then every problem of a checkpoint is an error
@@ -141,7 +142,10 @@ def train_run(
             if "spent" not in ckpt:
                 raise CheckpointError(f"{paths.checkpoint}: written before validation splits and cost accounting; "
                                       "rerun with --on-config-change restart")
-            state = fed.restore(ckpt["round"], ckpt["server"], ckpt["clients"])
+            try:
+                state = fed.restore(ckpt["round"], ckpt["server"], ckpt["clients"])
+            except CheckpointError as err:
+                raise CheckpointError(f"{paths.checkpoint}: {err}") from None
             history, tables, spent, skipped = ckpt["history"], ckpt["tables"], ckpt["spent"], ckpt["skipped"]
             print(f"{run.label}: resuming from round {state.round}")
         run.track(exp.name, flatten({"experiment": exp.model_dump(mode="json", exclude={"hyper", "run_overrides"}),

@@ -232,3 +232,81 @@ def test_a_full_disk_is_one_line_naming_the_file_and_leaves_no_temporary(compare
     assert len(err) == 1 and err[0].startswith("compare failed: No space left on device: reports/"), err
     assert err[0].endswith(": make room and rerun (finished runs are kept, others resume)")
     assert not [p for p in root.rglob(".*") if p.is_file()]
+
+
+# ----------------------------------------------------------------------------- structure
+def test_a_federation_the_data_cannot_hold_is_one_line_naming_the_file_before_any_store(project, capsys, monkeypatch):
+    from test_hostile_runtime import fails_in_one_line
+
+    line = fails_in_one_line(project, capsys, monkeypatch, "params.yaml: experiments.tiny.federation.clients_per_round: "
+                             "7 exceeds the 6 clients of dataset 'digits'", federation={"clients_per_round": 7})
+    assert not (project / "mlflow.db").exists(), line
+
+
+@pytest.mark.parametrize("algorithm", sorted(__import__("pfl_tasks.algorithms", fromlist=["ALGORITHMS"]).ALGORITHMS))
+def test_every_algorithms_state_keeps_its_structure_so_restore_accepts_its_own_checkpoints(digits6, algorithm):
+    from conftest import run_rounds, tiny_federation
+    from pfl_tasks.engine.federation import tree_mismatch
+
+    fed = tiny_federation(digits6, algorithm, hp={"feddyn": {"alpha": 0.1}}.get(algorithm))
+    initial = fed.initial_state()
+    state = run_rounds(fed, initial, 0, 3)
+    assert tree_mismatch(initial.server, state.server, "server") is None
+    assert tree_mismatch(initial.clients, state.clients, "clients") is None
+    fed.restore(3, state.server, state.clients)
+
+
+@pytest.mark.parametrize("edit, problem", [
+    (lambda ckpt: ckpt["server"].clear(), "server holds [], expected ['global']"),
+    (lambda ckpt: ckpt["server"]["global"].update(
+        {k: v[:-1] for k, v in ckpt["server"]["global"].items() if k.endswith("bias")}),
+     "server.global.1.bias is torch.float32 [15], expected torch.float32 [16]"),
+])
+def test_a_well_formed_checkpoint_of_another_shape_is_one_line(project, capsys, monkeypatch, edit, problem):
+    """A checkpoint of this run's identity whose state was edited (sliced, emptied): resume
+    says which entry in one line, before any round."""
+    from flows.train import main as train_main
+    from pfl_tasks.engine.checkpoint import load_checkpoint, save_checkpoint
+
+    data = tiny_params(algorithms=["fedavg"])
+    data["tracking"] = {"mlflow_uri": mlflow_uri()}
+    data["federation"]["rounds"] = 2
+    (project / "params.yaml").write_text(yaml.safe_dump(data))
+    monkeypatch.chdir(project)
+    assert train_main(["tiny"]) == 0
+    path = RunPaths.of(Path("."), "tiny", "fedavg", 0).checkpoint
+    ckpt = load_checkpoint(path, {})
+    edit(ckpt)
+    save_checkpoint(path, {k: v for k, v in ckpt.items() if k != "format"})
+    data["federation"]["rounds"] = 4
+    (project / "params.yaml").write_text(yaml.safe_dump(data))
+    capsys.readouterr()
+    assert train_main(["tiny"]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if not line.startswith("20")]  # MLflow's INFO
+    assert err == [f"train failed: {path}: not this run's state: {problem}"]
+
+
+def test_a_well_formed_learn2pfed_checkpoint_of_another_shape_is_one_line(project, prefect_harness, capsys,
+                                                                            monkeypatch):
+    from flows.learn2pfed import main as learn2pfed_main
+    from flows.train import train_experiment
+    from pfl_tasks.engine.checkpoint import load_checkpoint, save_checkpoint
+
+    data = tiny_params(algorithms=["fedavg"])
+    data["tracking"] = {"mlflow_uri": mlflow_uri()}
+    data["learn2pfed"] = {"tiny": {"features_from": "fedavg", "cells": 2, "supervision": ["train"],
+                                   "meta": {"epochs": 2, "checkpoint_every": 2}}}
+    (project / "params.yaml").write_text(yaml.safe_dump(data))
+    train_experiment("tiny", str(project / "params.yaml"), str(project))
+    monkeypatch.chdir(project)
+    assert learn2pfed_main(["tiny"]) == 0
+    path = RunPaths.of(Path("."), "learn2pfed/tiny", "learn2pfed-train", 0).checkpoint
+    ckpt = load_checkpoint(path, {})
+    ckpt["cells"] = {k: v[..., :-1] for k, v in ckpt["cells"].items()}
+    save_checkpoint(path, {k: v for k, v in ckpt.items() if k != "format"})
+    data["learn2pfed"]["tiny"]["meta"]["epochs"] = 4
+    (project / "params.yaml").write_text(yaml.safe_dump(data))
+    capsys.readouterr()
+    assert learn2pfed_main(["tiny"]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("learn2pfed")]
+    assert len(err) == 1 and err[0].startswith(f"learn2pfed failed: {path}: not this run's state (RuntimeError: "), err

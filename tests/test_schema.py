@@ -32,6 +32,18 @@ def test_nan_feature_is_named(table):
         check(df)
 
 
+@pytest.mark.parametrize("value", [3e38, -2e9])
+def test_a_feature_too_large_to_train_on_is_named(table, value):
+    """A 3e38 feature once trained to "finished" (weights 6e34): refused, asking to standardize."""
+    df = table[0].copy()
+    df.loc[7, "f3"] = value
+    with pytest.raises(DataValidationError, match=r"column 'f3' fails finite, at most 1e\+09 in magnitude "
+                                                  r"\(standardize larger values\): values \[.+\] \(clients \["):
+        check(df)
+    df.loc[7, "f3"] = 1e9
+    check(df)
+
+
 def test_out_of_range_label_is_named(table):
     df = table[0].copy()
     df.loc[3, "label"] = 10

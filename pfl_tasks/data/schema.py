@@ -9,6 +9,15 @@ import pandera.pandas as pa
 from pfl_tasks.errors import DataValidationError
 
 FEATURE_PATTERN = r"^f\d+$"
+# the largest feature magnitude a partition may hold: standardized or pixel features are O(1),
+# and a model's float32 products of larger ones overflow without ever turning non-finite in time
+# for the divergence check (a 3e38 feature trained to "finished" with 6e34 weights)
+MAX_ABS_VALUE = 1e9
+
+
+def bounded() -> pa.Check:
+    return pa.Check(lambda x: np.isfinite(x) & (np.abs(x) <= MAX_ABS_VALUE),
+                    name=f"finite, at most {MAX_ABS_VALUE:g} in magnitude (standardize larger values)")
 
 
 def partition_schema(task: str, n_classes: int, n_clients: int) -> pa.DataFrameSchema:
@@ -17,14 +26,14 @@ def partition_schema(task: str, n_classes: int, n_clients: int) -> pa.DataFrameS
             "int64", pa.Check.in_range(0, n_classes - 1), title=f"class in [0, {n_classes - 1}]"
         )
     else:
-        label = pa.Column("float32", pa.Check(np.isfinite, name="finite"))
+        label = pa.Column("float32", bounded())
     return pa.DataFrameSchema(
         {
             "sample_id": pa.Column("int64", pa.Check.ge(0), unique=True),
             "client_id": pa.Column("int64", pa.Check.in_range(0, n_clients - 1)),
             "split": pa.Column(str, pa.Check.isin(["train", "val", "test"])),
             "label": label,
-            FEATURE_PATTERN: pa.Column("float32", pa.Check(np.isfinite, name="finite"), regex=True),
+            FEATURE_PATTERN: pa.Column("float32", bounded(), regex=True),
         },
         strict=True,
         coerce=False,

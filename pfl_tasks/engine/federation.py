@@ -24,7 +24,7 @@ from pfl_tasks.engine.evaluate import evaluate_clients
 from pfl_tasks.engine.executor import make_trainer
 from pfl_tasks.engine.state import Tree, concat, gather, leaves, scatter_, to_device, to_host, tree_bytes, tree_map
 from pfl_tasks.engine.streams import round_generator
-from pfl_tasks.errors import ConfigError
+from pfl_tasks.errors import CheckpointError, ConfigError
 from pfl_tasks.nets import build_net, init_params
 
 
@@ -67,19 +67,42 @@ class ChunkResult:
 DEVICE_STATE_SHARE = 0.25  # client_state auto: the stacks on the GPU up to this share of its memory
 
 
+def clients_per_round(exp: ResolvedExperiment, algorithm, n_clients: int) -> int:
+    """How many clients a round samples; a ConfigError when the federation cannot run
+    `algorithm` on `n_clients` clients."""
+    fed, where = exp.federation, f"experiments.{exp.name}.federation"
+    if fed.clients_per_round is not None and fed.clients_per_round > n_clients:
+        raise ConfigError(f"{where}.clients_per_round: {fed.clients_per_round} exceeds the "
+                          f"{n_clients} clients of dataset '{exp.dataset}'")
+    per_round = fed.clients_per_round or max(1, round(fed.participation * n_clients))
+    if algorithm.full_participation and (per_round < n_clients or fed.dropout):
+        key = "dropout" if fed.dropout else "clients_per_round" if fed.clients_per_round else "participation"
+        raise ConfigError(f"{where}.{key}: {algorithm.name} needs every client every round "
+                          "(its server rule averages all of them)")
+    return per_round
+
+
+def tree_mismatch(expected, found, where: str) -> str | None:
+    """The first difference of `found` from `expected` in entry names, tensor shapes and dtypes."""
+    if isinstance(expected, dict):
+        if not isinstance(found, dict) or set(found) != set(expected):
+            names = sorted(found) if isinstance(found, dict) else type(found).__name__
+            return f"{where} holds {names}, expected {sorted(expected)}"
+        return next((problem for key in expected
+                     if (problem := tree_mismatch(expected[key], found[key], f"{where}.{key}")) is not None), None)
+    if isinstance(expected, torch.Tensor):
+        if not isinstance(found, torch.Tensor):
+            return f"{where} is a {type(found).__name__}, expected a tensor"
+        if found.shape != expected.shape or found.dtype != expected.dtype:
+            return f"{where} is {found.dtype} {list(found.shape)}, expected {expected.dtype} {list(expected.shape)}"
+    return None
+
+
 class Federation:
     def __init__(self, exp: ResolvedExperiment, algorithm, data: FederatedData):
         """`algorithm`: a registered `pfl_tasks.algorithms.Algorithm` with its hyper-parameters."""
         self.exp, self.algorithm = exp, algorithm
-        fed, where = exp.federation, f"experiments.{exp.name}.federation"
-        if fed.clients_per_round is not None and fed.clients_per_round > data.n_clients:
-            raise ConfigError(f"{where}.clients_per_round: {fed.clients_per_round} exceeds the "
-                              f"{data.n_clients} clients of dataset '{exp.dataset}'")
-        self.per_round = fed.clients_per_round or max(1, round(fed.participation * data.n_clients))
-        if algorithm.full_participation and (self.per_round < data.n_clients or fed.dropout):
-            key = "dropout" if fed.dropout else "clients_per_round" if fed.clients_per_round else "participation"
-            raise ConfigError(f"{where}.{key}: {algorithm.name} needs every client every round "
-                              "(its server rule averages all of them)")
+        self.per_round = clients_per_round(exp, algorithm, data.n_clients)
         self.facts = Facts(data.n_clients, exp.local.steps or exp.local.epochs, exp.seed)
         self.device = resolve_device(exp.engine.device)
         configure(exp.engine, self.device)
@@ -125,7 +148,14 @@ class Federation:
         return RunState(0, server, self.place(self.algorithm.init_clients(params, self.n_clients)))
 
     def restore(self, round_idx: int, server: Tree, clients: Tree) -> RunState:
-        """The state a checkpoint holds (on the CPU), placed as this federation keeps it."""
+        """The state a checkpoint holds (on the CPU), placed as this federation keeps it; a
+        CheckpointError names the first entry whose name, shape or dtype is not this
+        federation's (a checkpoint of the same identity, edited)."""
+        fresh = self.initial_state()
+        for part, expected, found in (("server", fresh.server, server), ("clients", fresh.clients, clients)):
+            problem = tree_mismatch(expected, found, part)
+            if problem is not None:
+                raise CheckpointError(f"not this run's state: {problem}")
         return RunState(round_idx, to_device(server, self.device), self.place(clients))
 
     def place(self, clients: Tree) -> Tree:
