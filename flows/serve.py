@@ -20,11 +20,11 @@ import sys
 import flows  # noqa: F401  (environment defaults)
 from flows.pipeline import pipeline_flow, repro_flow
 from flows.stage import check_prefect_api
-from flows.sweep import sweep_flow
+from flows.sweep import checked_sweep_params, sweep_flow
 from pfl_tasks.algorithms import validate_params
-from pfl_tasks.config import SweepConfig, load_params, parse_params
+from pfl_tasks.config import SweepConfig, load_params
 from pfl_tasks.errors import ConfigError
-from pfl_tasks.grid import sweep_params
+
 
 # the default run's benchmark, a short one: what "Custom run" starts from in the UI
 DEFAULT_SWEEP = SweepConfig(name="mnist-sweep", experiment="mnist", algorithms=["fedavg", "ditto", "fedrep"],
@@ -32,7 +32,7 @@ DEFAULT_SWEEP = SweepConfig(name="mnist-sweep", experiment="mnist", algorithms=[
 
 
 def deployments(cron: str, sweep: SweepConfig, sweep_cron: str | None, params_file: str) -> dict:
-    validate_params(parse_params(sweep_params(sweep)))
+    checked_sweep_params(sweep)
     validate_params(load_params(params_file))
     return {
         "nightly": repro_flow.to_deployment(

@@ -39,14 +39,13 @@ GLOBAL_KEYS = ["seed", "federation", "local", "engine", "tracking"]
 
 
 def run_keys(params, raw: dict, experiment: str) -> list[str]:
-    """The params keys an experiment's runs read, its own runs' entries only."""
+    """The params keys an experiment's runs read: its whole `experiments.<experiment>` entry (so
+    that a key added later, `dvc exp run -S '+experiments.<e>.algorithm_overrides.ditto.mu=1'`,
+    stales the stage too; the stage then keeps every run whose identity did not change) and its
+    runs' `algorithms` entries."""
     exp = params.experiment(experiment)
-    raw_exp = raw["experiments"][experiment]
-    keys = [f"experiments.{experiment}.{k}" for k in raw_exp if k != "algorithm_overrides"]
-    keys += [f"experiments.{experiment}.algorithm_overrides.{run}" for run in exp.algorithms
-             if run in raw_exp.get("algorithm_overrides", {})]
-    keys += [f"algorithms.{run}" for run in exp.algorithms if raw["algorithms"][run]]  # `local` has none
-    return GLOBAL_KEYS + keys
+    keys = [f"algorithms.{run}" for run in exp.algorithms if raw["algorithms"][run]]  # `local` has none
+    return [*GLOBAL_KEYS, f"experiments.{experiment}", *keys]
 
 
 def run_code_deps(params, experiment: str) -> list[str]:

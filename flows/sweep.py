@@ -30,8 +30,8 @@ from pydantic import ValidationError
 from flows.pipeline import pipeline_flow
 from flows.stage import check_prefect_api, prefect_api, stage_main
 from flows.tune import SWEEPS
-from pfl_tasks.algorithms import validate_params
-from pfl_tasks.config import SweepConfig, load_params, parse_params
+from pfl_tasks.algorithms import build, validate_params
+from pfl_tasks.config import SweepConfig, load_params, parse_params, read_params
 from pfl_tasks.errors import ConfigError, RunStopped
 from pfl_tasks.files import atomic_write_text
 from pfl_tasks.grid import parse_assignment, sweep_params
@@ -46,8 +46,7 @@ def sweep_flow(sweep: SweepConfig, root: str = ".") -> dict:
     `<root>/sweeps/<name>/params.yaml` and runs the pipeline there; returns, per experiment of the
     sweep, the ranking (on test) and the method best on validation (its MethodResult), the
     sweep's choice."""
-    raw = sweep_params(sweep)
-    validate_params(parse_params(raw))
+    raw = checked_sweep_params(sweep)
     if sweep.experiment in load_params(sweep.params_path).tuning:
         print(f"sweep {sweep.name}: runs {sweep.params_path}'s values, not the per-method choices of "
               f"tuning/{sweep.experiment}.json")
@@ -75,13 +74,29 @@ def sweep_flow(sweep: SweepConfig, root: str = ".") -> dict:
     return results
 
 
+def checked_sweep_params(sweep: SweepConfig) -> dict:
+    """`sweep_params`, validated. Each hyper-parameter value the grid gives is first checked
+    against its run's algorithm, so that an error names the key as given (`algorithms.ditto.mew`),
+    not the variant the sweep would make of it (`algorithms.ditto_mew1.mew`)."""
+    entries = read_params(sweep.params_path).get("algorithms") or {}
+    for key, values in sweep.grid.items():
+        for run, entry in entries.items():
+            if key.startswith(f"algorithms.{run}.") and "." not in key.removeprefix(f"algorithms.{run}."):
+                for value in values:
+                    build(run, {**(entry or {}), key.removeprefix(f"algorithms.{run}."): value},
+                          where=f"sweep.grid: algorithms.{run}")
+    raw = sweep_params(sweep)
+    validate_params(parse_params(raw))
+    return raw
+
+
 def run_sweep(sweep: SweepConfig, root: str = ".") -> None:
     """The sweep from a shell: validated before anything starts (an error names the key), then
     run under one MLflow parent run (experiment `<experiment>-<name>`, run `sweep-<name>`)
     whose children are its training runs (tags `mlflow.parentRunId`, `sweep`); the parent ends
     FINISHED, FAILED, or KILLED by a signal, as its children do. The parent holds the grid
     (params `grid.<key>`) and, once the sweep ends, its choice (`record_choice`)."""
-    params = validate_params(parse_params(sweep_params(sweep)))
+    params = parse_params(checked_sweep_params(sweep))
     check_prefect_api()
     open_store(tracking_uri(params.tracking.mlflow_uri))
     parent = None
@@ -133,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
             sweep, root = SweepConfig.model_validate(json.loads(argv[0])), "."
         else:
             sweep, root = from_command_line(argv)
-        validate_params(parse_params(sweep_params(sweep)))
+        checked_sweep_params(sweep)
     except ValueError as err:  # ConfigError, pydantic's, JSON's
         print(f"sweep failed: {err}", file=sys.stderr)
         return 2

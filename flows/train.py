@@ -21,6 +21,7 @@ import argparse
 import contextlib
 import sys
 import time
+from difflib import get_close_matches
 from pathlib import Path
 
 import flows  # noqa: F401  (environment defaults)
@@ -29,7 +30,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from flows.stage import check_prefect_api, prefect_api, stage_main
-from pfl_tasks.algorithms import validate_params
+from pfl_tasks.algorithms import ALGORITHMS, validate_params
 from pfl_tasks.config import EngineConfig, load_params
 from pfl_tasks.engine.checkpoint import save_checkpoint
 from pfl_tasks.engine.device import torch_threads, usable_cores
@@ -235,6 +236,11 @@ def train_experiment(
     `seeds`), in this one process (one Prefect start); results keyed by (algorithm, seed)."""
     params = validate_params(load_params(params_path))
     exp = tuned(params, experiment, Path(root))
+    known = set(params.algorithms) | set(ALGORITHMS)
+    for name in sorted(set(algorithms or []) - known):  # a typo, not a run for a sweep
+        near = get_close_matches(name, sorted(known), 1)
+        raise ConfigError(f"--algorithms: '{name}' is no algorithm and no entry under `algorithms` in {params_path}"
+                          + (f" (did you mean '{near[0]}'?)" if near else ""))
     for key, asked, configured in (("algorithms", algorithms, exp.algorithms), ("seeds", seeds, exp.seeds)):
         unlisted = sorted(set(asked or []) - set(configured))
         if unlisted:

@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from pfl_tasks.config import load_params
 from pfl_tasks.engine.evaluate import HIGHER_IS_BETTER
 from pfl_tasks.errors import ComparisonError
 from pfl_tasks.files import atomic_write, atomic_write_text, remove_stale_temporaries
@@ -85,6 +86,11 @@ def results_store(uri: str, experiments: list[str], params_path: str, every: boo
         first = ("`dvc repro` (or `make run`)" if Path(params_path) == Path("params.yaml")
                  else f"`python -m flows.pipeline --params {params_path}`")
         missing = [e for e in experiments if e not in held]
+        configured = load_params(params_path).experiments
+        unknown = [e for e in missing if e not in configured]
+        if unknown:  # neither run nor configured: a typo, not a stage to run
+            raise ComparisonError(f"no experiment(s) {unknown} in {uri}, and {params_path} configures none of that "
+                                  f"name (it has {sorted(configured)})")
         raise ComparisonError(f"no runs of experiment(s) {missing} in {uri}: run {first} first (a store lost or "
                               f"reset: `python -m flows.train {missing[0]}` logs its finished runs anew from their "
                               "checkpoints)")

@@ -192,6 +192,17 @@ def test_dvc_exp_run_S_changes_a_default_hyper_parameter_and_reruns_only_its_run
     assert json.loads(ditto.read_text())["val"] != score
 
 
+def test_dvc_exp_run_S_with_a_new_key_reruns_its_runs(repo_copy):
+    """`+` adds a key params.yaml did not hold: the train stage watches the experiment's whole
+    entry, so it reruns, and retrains Ditto alone."""
+    root, env = repo_copy
+    before = {alg: pinned(root, alg) for alg in ("local", "fedavg", "fedprox", "ditto")}
+    out = sh([sys.executable, "-m", "dvc", "exp", "run", "-n", "plus", "-S",
+              "+experiments.tiny.algorithm_overrides.ditto.mu=2.0"], root, env)
+    assert "train-tiny" in ran(out) and "tiny: 3 of 4 runs already finished" in out, out
+    assert {alg for alg, run in before.items() if pinned(root, alg) != run} == {"ditto"}
+
+
 def test_dvc_exp_apply_then_compare_reports_that_experiments_numbers(repo_copy):
     """A 5-round experiment continues the 4-round one's checkpoints as new MLflow runs: after
     `dvc exp apply` of either, `compare` reports its own numbers."""

@@ -82,7 +82,7 @@ def test_command_line_errors_come_before_anything_starts(tmp_path, monkeypatch, 
     started = []
     monkeypatch.setattr(flows.sweep, "run_sweep", lambda sweep, root: started.append((sweep.name, root)))
     path = write_params(tmp_path)
-    for args, message in ((["--set", "algorithms.fedprox.muu=1"], "algorithms.fedprox_muu1.muu: Extra inputs"),
+    for args, message in ((["--set", "algorithms.fedprox.muu=1"], "sweep.grid: algorithms.fedprox.muu: Extra inputs"),
                           (["--set", "algorithms.fedprox.mu"], "expected key=value"),
                           (["--set", "algorithms.fedprox.mu=1", "--name", "a/b"], "--name 'a/b'"),
                           (["--seeds", "-1"], "--seeds [-1]: Input should be greater than or equal to 0"),
@@ -107,7 +107,7 @@ def test_train_refuses_runs_it_does_not_configure_and_names_the_sweep(tmp_path, 
 
     path = write_params(tmp_path)
     for args, message in ((["--seeds", "7"], "does not run seeds [7]"),
-                          (["--algorithms", "dito"], "does not run algorithms ['dito']"),
+                          (["--algorithms", "apfl"], "does not run algorithms ['apfl']"),  # a typo: test_hostile_stages
                           (["--set", "algorithms.fedprox.mu=1,2"], "--set makes a sweep")):
         assert flows.train.main(["tiny", "--params", path, *args]) == 2
         err = capsys.readouterr().err

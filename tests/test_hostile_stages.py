@@ -310,3 +310,27 @@ def test_a_well_formed_learn2pfed_checkpoint_of_another_shape_is_one_line(projec
     assert learn2pfed_main(["tiny"]) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("learn2pfed")]
     assert len(err) == 1 and err[0].startswith(f"learn2pfed failed: {path}: not this run's state (RuntimeError: "), err
+
+
+# ----------------------------------------------------------------------------- lines that say what is wrong
+def test_a_misspelled_run_or_experiment_is_named_as_such(project, capsys, monkeypatch):
+    """Not "that is a sweep" nor "run dvc repro first": a name nothing knows is a typo."""
+    from flows.compare import main as compare_main
+    from flows.sweep import main as sweep_main
+    from flows.train import main as train_main
+
+    data = tiny_params(algorithms=["fedavg", "ditto"])
+    data["algorithms"]["ditto"] = {"mu": 0.1}
+    data["tracking"] = {"mlflow_uri": mlflow_uri()}
+    (project / "params.yaml").write_text(yaml.safe_dump(data))
+    monkeypatch.chdir(project)
+    assert train_main(["tiny", "--algorithms", "dito"]) == 2
+    assert capsys.readouterr().err.strip() == ("train failed: --algorithms: 'dito' is no algorithm and no entry under "
+                                               "`algorithms` in params.yaml (did you mean 'ditto'?)")
+    assert sweep_main(["tiny", "--set", "algorithms.ditto.mew=1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("sweep failed: sweep.grid: algorithms.ditto.mew: Extra inputs are not permitted"), err
+    assert compare_main(["nosuch"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("compare failed: no experiment(s) ['nosuch'] in ") and err.endswith(
+        ", and params.yaml configures none of that name (it has ['tiny'])"), err
