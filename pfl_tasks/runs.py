@@ -39,11 +39,12 @@ from pfl_tasks.config import TrackingConfig
 from pfl_tasks.engine.checkpoint import load_checkpoint, save_checkpoint
 from pfl_tasks.errors import CheckpointError, OutputLockedError, RunStopped, TrackingError
 from pfl_tasks.files import OutputLock, check_output_dir, remove_stale_temporaries
-from pfl_tasks.outputs import headline, pin, progress, write_dvc_outputs
-from pfl_tasks.tracking import MlflowRun, flatten
+from pfl_tasks.outputs import headline, pin, pinned_run, progress, write_dvc_outputs
+from pfl_tasks.tracking import MlflowRun, flatten, retrying, stored_run, tracking_uri
 
 
-CONSOLE = "PFL_CONSOLE"  # "runs": a line per finished run instead of one per evaluation
+CONSOLE = "PFL_CONSOLE"
+IDENTITY_TAG = "run_identity"  # config hash @ platform: a finished run another identical one may log into  # "runs": a line per finished run instead of one per evaluation
 
 
 @dataclass(frozen=True)
@@ -133,7 +134,7 @@ class Run:
         self.resumed: dict | None = None
         self.tracker: MlflowRun | None = None
         self.snapshot: Callable[[], dict] | None = None
-        self.logged_through = -1  # the last step whose history record MLflow holds
+        self.logged_through: int | None = -1  # the last step whose record MLflow holds (None: ask it)
         self.done = 0  # steps completed
         self.bar = None
         self.summary = ""  # the latest `note`
@@ -213,8 +214,8 @@ class Run:
         history: each budget's numbers stay in their own run); fail the RUNNING runs of this
         output whose process on this host is dead; and find the last record MLflow already holds (a killed run may have logged past its
         checkpoint), so that `log` sends each once. A record's last key is logged last."""
-        run_id = self.resumed.get("mlflow_run_id") if self.resumed else None
-        if run_id and self.resumed.get("budget", self.total) != self.total:
+        run_id = self.resumed.get("mlflow_run_id") if self.resumed else self._retrained_run()
+        if run_id and self.resumed and self.resumed.get("budget", self.total) != self.total:
             print(f"{self.label}: continuing the {self.resumed['budget']}-{self.unit} run (MLflow run {run_id}, "
                   f"which keeps its numbers) to {self.total} {self.unit}s as a new MLflow run")
             run_id = None
@@ -224,10 +225,37 @@ class Run:
                                  run_id, self.tracking.retry_seconds, tags={**key, "pid": str(os.getpid())},
                                  stopping=self._stopping)
         self.tracker.fail_stale_runs(key, "its process died (found RUNNING by a later run of the same output)")
-        self.tracker.log_params_and_tags(params, tags)
+        self.tracker.log_params_and_tags(params, {**tags, IDENTITY_TAG: self.identity_tag()})
         history = self.resumed.get("history", []) if self.resumed else []
         if history:
             self.logged_through = self.tracker.last_step(list(history[-1])[-1])
+        elif run_id is not None:  # retrained into its finished run: MLflow holds the records up to its end
+            self.logged_through = None
+
+    def identity_tag(self) -> str:
+        return f"{self.identity['config_hash']}@{self.identity.get('platform', '')}"
+
+    def _retrained_run(self) -> str | None:
+        """When a run that finished lost its checkpoint (a deleted `models/`), the MLflow run its
+        metrics file names, if that run finished under this identity and platform: retrained
+        bit-identically, the run logs into it (nothing twice) instead of adding a second
+        FINISHED run of the output."""
+        try:
+            outcome = json.loads(self.paths.metrics.read_text())
+        except (OSError, ValueError):
+            return None
+        run_id = pinned_run(outcome) if isinstance(outcome, dict) and outcome.get("status") == "finished" else None
+        if run_id is None:
+            return None
+        from mlflow.tracking import MlflowClient
+
+        run = retrying(lambda: stored_run(MlflowClient(tracking_uri(self.tracking.mlflow_uri)), run_id), "get run",
+                       self.tracking.retry_seconds, stopping=self._stopping)
+        if run is None or run.data.tags.get(IDENTITY_TAG) != self.identity_tag():
+            return None
+        print(f"{self.label}: its checkpoint is gone; retraining into MLflow run {run_id}, which finished under "
+              "the same config, data, code and platform")
+        return run_id
 
     def spans(self, start: int, every: int) -> Iterator[tuple[int, int]]:
         """Steps `start` to `total` as spans [first, stop) that end at the multiples of `every`
@@ -291,6 +319,10 @@ class Run:
     def log(self, history: list[dict]) -> None:
         """Send MLflow the records it has not had yet (after any checkpoint due: a rerun then
         finds them in the checkpoint)."""
+        if self.logged_through is None:  # a run retrained into its MLflow run: ask it what it holds
+            if not history:
+                return
+            self.logged_through = self.tracker.last_step(list(history[-1])[-1])
         self.tracker.log_records([r for r in history if r[self.unit] > self.logged_through], self.unit)
         self._logged_at = time.monotonic()
         if history:

@@ -111,8 +111,8 @@ def test_cuda_without_a_gpu_names_engine_device(project, capsys, monkeypatch):
     # restart: no checkpoint identity (which names the platform) is computed first
     line = fails_in_one_line(project, capsys, monkeypatch, options=["--on-config-change", "restart"],
                              engine={"device": "cuda"})
-    assert line == "train failed: engine.device is 'cuda' but torch sees no CUDA device here: " \
-                   "set engine.device: cpu (or auto)"
+    assert line == f"train failed: {project / 'params.yaml'}: engine.device is 'cuda' but torch sees no CUDA device " \
+                   "here: set engine.device: cpu (or auto)"
 
 
 def test_a_dangling_models_link_is_named_before_anything_is_created(project, capsys, monkeypatch):

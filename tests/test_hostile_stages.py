@@ -334,3 +334,27 @@ def test_a_misspelled_run_or_experiment_is_named_as_such(project, capsys, monkey
     err = capsys.readouterr().err.strip()
     assert err.startswith("compare failed: no experiment(s) ['nosuch'] in ") and err.endswith(
         ", and params.yaml configures none of that name (it has ['tiny'])"), err
+
+
+def test_a_finished_run_whose_checkpoint_was_deleted_is_retrained_into_its_mlflow_run(project, capsys):
+    """`rm -rf models`: the rerun retrains (bit-identically) into the MLflow run the metrics
+    file names, logging nothing twice, instead of adding a second FINISHED run."""
+    import shutil
+
+    from flows.train import train_experiment
+
+    path, uri = own_store_params(project)
+    train_experiment("tiny", path, str(project))
+    metrics = RunPaths.of(project, "tiny", "fedavg", 0).metrics
+    before = metrics.read_bytes()
+    client, [run] = output_runs(uri)
+    key = "val/personalized/acc_mean"
+    history = [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, key)]
+    shutil.rmtree(project / "models")
+    capsys.readouterr()
+    train_experiment("tiny", path, str(project))
+    assert f"retraining into MLflow run {run.info.run_id}" in capsys.readouterr().out
+    client, [after] = output_runs(uri)
+    assert (after.info.run_id, after.info.status) == (run.info.run_id, "FINISHED")
+    assert [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, key)] == history
+    assert metrics.read_bytes() == before and RunPaths.of(project, "tiny", "fedavg", 0).checkpoint.exists()
