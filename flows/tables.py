@@ -7,7 +7,8 @@ is the personalized test metric at the round selected on validation, mean over c
 seeds [95% CI], marked ≈ when not significantly different from the column's best, † when
 the personalized model is the global one and ✓ on the column's best on validation; a method not
 ranked says why ("diverged at round R", "too few rounds aggregated: A of R").
-Writes `reports/markdown/<table>.md` and the DVC metrics `reports/tables/<table>/<method>.json`
+Writes `reports/markdown/<table>.md`, the same table for a paper as `<table>.tex` (a booktabs
+tabular) and `<table>.csv` (long form, every number unrounded), and the DVC metrics `reports/tables/<table>/<method>.json`
 (`dvc metrics show --md reports/tables/<table>`: a row per method), and logs the table and
 every cell's numbers to MLflow (experiment `tables`).
 
@@ -27,6 +28,7 @@ from flows.stage import stage_main
 from pfl_tasks.config import Params, TableConfig, load_params
 from pfl_tasks.errors import ConfigError
 from pfl_tasks.files import atomic_write_text
+from pfl_tasks.outputs import write_csv
 from pfl_tasks.reports import (
     MethodResult, collect, configured_runs, interval, marks, primary_metric, protocol_lines, results_store,
     summarize, unranked_note, winner_on_validation,
@@ -88,6 +90,43 @@ def markdown(name: str, rows: dict[str, dict[str, dict]], columns: list[str]) ->
     return "\n".join(lines) + "\n"
 
 
+CSV_FIELDS = ("method", "experiment", "metric", "mean", "ci_low", "ci_high", "seeds", "weighted",
+              "not_worse_than_best", "global_only", "best_on_validation", "status")
+
+
+def csv_rows(rows: dict[str, dict[str, dict]], columns: list[str]) -> list[dict]:
+    """The table in long form, a row per (method, experiment), every number unrounded (for a
+    paper's own formatting or plots); `status` says why a cell is not ranked."""
+    return [{"method": method, "experiment": experiment,
+             **{key: row[experiment].get(key, "") for key in CSV_FIELDS[2:]}}
+            for method, row in rows.items() for experiment in columns if experiment in row]
+
+
+LATEX_MARKS = {"≈": r"$^{\approx}$", "†": r"$^{\dagger}$", "✓": r"$^{\checkmark}$"}  # \checkmark: amssymb
+
+
+def latex(name: str, rows: dict[str, dict[str, dict]], columns: list[str]) -> str:
+    """The table as a booktabs `tabular` (a paper's `\\input`): mean [95% CI] to 3 decimals with
+    the markdown's marks; an unranked cell says why in a footnote-sized line."""
+    def escape(text: str) -> str:
+        return "".join("\\" + ch if ch in "&%$#_{}" else ch for ch in text)
+
+    def text(c: dict | None) -> str:
+        if c is None:
+            return "--"
+        if "status" in c:
+            return r"{\footnotesize " + escape(c["status"]) + "}"
+        marks = "".join(LATEX_MARKS.get(mark, "") for mark in c["marks"])
+        return f"{c['mean']:.3f} [{c['ci_low']:.3f}, {c['ci_high']:.3f}]{marks}"
+
+    lines = [f"% {name}: written by `python -m flows.tables` (reports/markdown/{name}.md says how to read it)",
+             r"\begin{tabular}{l" + "c" * len(columns) + "}", r"\toprule",
+             " & ".join(["Method", *map(escape, columns)]) + r" \\", r"\midrule"]
+    lines += [" & ".join([escape(method), *(text(row.get(col)) for col in columns)]) + r" \\"
+              for method, row in rows.items()]
+    return "\n".join([*lines, r"\bottomrule", r"\end{tabular}"]) + "\n"
+
+
 def write_dvc_table(folder: Path, rows: dict) -> None:
     """The table as DVC metrics: a file per method (`dvc metrics show` prints a row each),
     holding per experiment the cell's mean, 95% CI and seeds (the marks are in the markdown)."""
@@ -109,8 +148,10 @@ def write_tables(params_path: str = "params.yaml", root: str = ".") -> list[Path
     written = []
     for name, rows in tables.items():
         text, blob = markdown(name, rows, params.tables[name].experiments), json.dumps(rows, indent=1, sort_keys=True)
-        md = root / REPORTS / "markdown" / f"{name}.md"
+        md, columns = root / REPORTS / "markdown" / f"{name}.md", params.tables[name].experiments
         atomic_write_text(md, text)
+        write_csv(md.with_suffix(".csv"), csv_rows(rows, columns))
+        atomic_write_text(md.with_suffix(".tex"), latex(name, rows, columns))
         write_dvc_table(root / REPORTS / "tables" / name, rows)
         with MlflowRun(params.tracking.mlflow_uri, "tables", name, None, params.tracking.retry_seconds) as tracker, \
                 tempfile.TemporaryDirectory() as tmp:

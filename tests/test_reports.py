@@ -404,3 +404,25 @@ def test_a_per_method_sweep_names_each_methods_best_point_on_validation_over_eve
         "ditto": ("m-lr-lr1", "ditto_mu0.1"),  # its best on validation, not ditto_mu1 (best on test)
         "fedavg": ("m-lr-lr0.1", "fedavg"),  # a diverged point is never chosen
     }
+
+
+def test_a_table_exports_to_latex_and_csv_with_its_marks_and_unranked_reasons():
+    """The paper forms of a table: a booktabs tabular (marks as superscripts, names escaped, an
+    unranked cell's reason), and a CSV row per cell with every number unrounded."""
+    from flows.tables import csv_rows, latex
+
+    best = {"metric": "acc", "mean": 0.91234, "ci_low": 0.9, "ci_high": 0.925, "seeds": 3, "weighted": 0.9,
+            "not_worse_than_best": True, "global_only": False, "best_on_validation": True, "marks": "≈✓"}
+    rows = {"fed_avg": {"mnist": {**best, "marks": "†", "best_on_validation": False, "global_only": True}},
+            "ditto": {"mnist": best, "cifar": {"metric": "acc", "status": "diverged at round 3 (seed 0)"}}}
+    assert latex("t", rows, ["mnist", "cifar"]).splitlines() == [
+        "% t: written by `python -m flows.tables` (reports/markdown/t.md says how to read it)",
+        r"\begin{tabular}{lcc}", r"\toprule", r"Method & mnist & cifar \\", r"\midrule",
+        r"fed\_avg & 0.912 [0.900, 0.925]$^{\dagger}$ & -- \\",
+        r"ditto & 0.912 [0.900, 0.925]$^{\approx}$$^{\checkmark}$ & {\footnotesize diverged at round 3 (seed 0)} \\",
+        r"\bottomrule", r"\end{tabular}"]
+    csv = csv_rows(rows, ["mnist", "cifar"])
+    assert [(r["method"], r["experiment"], r["mean"], r["status"]) for r in csv] == [
+        ("fed_avg", "mnist", 0.91234, ""), ("ditto", "mnist", 0.91234, ""),
+        ("ditto", "cifar", "", "diverged at round 3 (seed 0)")]
+    assert csv[1]["best_on_validation"] is True and csv[0]["global_only"] is True
