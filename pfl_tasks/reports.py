@@ -494,6 +494,12 @@ def markdown(experiment: str, metric: str, results: list[MethodResult], figures:
             f"| {_count(r.eval_grad_samples, 1e6, 'M')} | {_count(tuning_cost.get(r.method), 1e6, 'M')} "
             f"| {_count(r.comm_bytes, 2**20, ' MiB')} |"
         )
+    ranked = [r for r in results if r.ranked]
+    if chosen is not None and chosen is not ranked[0]:
+        lines += ["", f"✓ {chosen.method}, ranked {ranked.index(chosen) + 1} here, is the best on validation: "
+                      "what choosing among these rows (a sweep's variants, a method's settings) picks. The ranks "
+                      "order the rows by test, to compare methods each chosen on validation; choosing the rank-1 "
+                      "row among variants would be choosing on test."]
     unranked = [r for r in results if not r.ranked]
     if unranked:
         lines += ["", "Not ranked:", ""]

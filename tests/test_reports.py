@@ -426,3 +426,17 @@ def test_a_table_exports_to_latex_and_csv_with_its_marks_and_unranked_reasons():
         ("fed_avg", "mnist", 0.91234, ""), ("ditto", "mnist", 0.91234, ""),
         ("ditto", "cifar", "", "diverged at round 3 (seed 0)")]
     assert csv[1]["best_on_validation"] is True and csv[0]["global_only"] is True
+
+
+def test_a_report_whose_best_on_validation_is_not_rank_one_says_which_row_a_choice_picks():
+    """A sweep's rank 1 is the best on test; its choice (✓, on validation) may rank lower: the
+    report says that row is the one to pick among variants."""
+    from conftest import ranked_result
+    from pfl_tasks.reports import markdown as report_markdown
+
+    results = [ranked_result("ditto_mu1", 0.90, val=0.80), ranked_result("ditto_mu0.1", 0.88, val=0.85)]
+    text = report_markdown("e", "acc", results, {})
+    assert "| 2 | ditto_mu0.1✓ |" in text
+    assert "✓ ditto_mu0.1, ranked 2 here, is the best on validation: what choosing among these rows" in text
+    assert "✓ ditto_mu1" not in report_markdown("e", "acc", [ranked_result("ditto_mu1", 0.90, val=0.90),
+                                                             results[1]], {})
