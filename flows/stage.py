@@ -90,8 +90,8 @@ def prefect_api(ui: bool = False) -> Iterator[str]:
     """The Prefect API this stage's flows report to: PREFECT_API_URL when set, else a server of
     the stage's own (with its web UI if `ui`), stopped (SIGTERM to its PID) when the stage
     ends, however it ends. A server of ours (this stage's, or `make run`'s) gets one retry per
-    request, so that a dead one ends the stage in seconds (`prefect_unreachable`). On it (this stage's, or `make run`'s) flow runs send
-    no heartbeats: those feed only the automations that detect crashed runs, and ours run none
+    request, so that a dead one ends the stage in seconds (`prefect_unreachable`); on it flow
+    runs send no heartbeats: those feed only the automations that detect crashed runs, and ours run none
     (PREFECT_SERVER_SERVICES_TRIGGERS_ENABLED=false), while waiting for the heartbeat thread
     costs every flow run about a second (0.12 s without)."""
     from prefect.settings import (
@@ -251,8 +251,9 @@ class QuietExpectedErrors(logging.Filter):
 @contextlib.contextmanager
 def quiet_expected_errors() -> Iterator[None]:
     """`QuietExpectedErrors` on the root logger's handlers, where Prefect's run loggers reach
-    the console, and on those of its internal loggers; and no "--- Error logging to API ---" per batch of logs a dead server did not
-    take (Prefect prints those only while `logging.raiseExceptions`, the stdlib's debug mode)."""
+    the console, and on those of its internal loggers; and no "--- Error logging to API ---"
+    per batch of logs a dead server did not take (Prefect prints those only while
+    `logging.raiseExceptions`, the stdlib's debug mode)."""
     handlers = set(logging.getLogger().handlers)
     for name in DEAD_SERVER_NOISE:  # Prefect's internal loggers have handlers of their own
         logger = logging.getLogger(name)
