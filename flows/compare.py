@@ -22,7 +22,7 @@ from pfl_tasks.config import load_params
 from pfl_tasks.errors import ComparisonError
 from pfl_tasks.files import OutputLock, atomic_write_text, remove_stale_temporaries
 from pfl_tasks.outputs import json_text
-from pfl_tasks.reports import best_line, configured_runs, flips, results_store, write_report
+from pfl_tasks.reports import best_line, configured_runs, downstream_methods, flips, results_store, write_report
 from pfl_tasks.tuning import read_tuning
 from pfl_tasks.tracking import tracking_uri as configured_uri
 
@@ -49,7 +49,8 @@ def compare(experiments: list[str] | None = None, params_path: str = "params.yam
         for experiment in experiments:
             tuning = read_tuning(root, experiment) if experiment in params.tuning else None
             results = rankings[experiment] = write_report(client, experiment, root / REPORTS, root / FIGURES,
-                                                          pinned[experiment], tuning)
+                                                          pinned[experiment], tuning,
+                                                          downstream_methods(params, experiment))
             ranked, flipped = sum(r.ranked for r in results), flips(results)
             print(f"{experiment}: {ranked} methods ranked; client mean: {best_line(results)}; sample-weighted: "
                   f"{best_line(results, weighted=True)}; verdict flips between them: "

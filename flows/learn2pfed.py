@@ -38,6 +38,7 @@ from pfl_tasks.config import Learn2pFedConfig, ResolvedExperiment, config_hash, 
 from pfl_tasks.data import FederatedData, load_partition, partition_dir
 from pfl_tasks.data.store import read_manifest
 from pfl_tasks.engine.checkpoint import load_checkpoint, save_checkpoint
+from pfl_tasks.engine.device import configure, torch_threads, usable_cores
 from pfl_tasks.engine.federation import tree_mismatch
 from pfl_tasks.errors import CheckpointError, ConfigError
 from pfl_tasks.imports import ROOT, code_hash, numeric_code
@@ -210,6 +211,7 @@ def learn2pfed_flow(experiment: str, supervision: str, seed: int, params_path: s
     params = validate_params(load_params(params_path))
     exp = params.experiment(experiment).model_copy(update={"seed": seed})
     cfg, root = params.learn2pfed[experiment], Path(root)
+    configure(exp.engine, torch.device("cpu"))  # the cells run on the CPU, in float64
     run_name = f"learn2pfed-{supervision}"
     paths = RunPaths.of(root, f"learn2pfed/{exp.name}", run_name, seed)
     problems = build_problems(exp, params, cfg, supervision, root)
@@ -246,7 +248,8 @@ def learn2pfed_flow(experiment: str, supervision: str, seed: int, params_path: s
                   flatten({"experiment": exp.model_dump(mode="json", exclude={"hyper"}),
                            "learn2pfed": cfg.model_dump(mode="json"), "supervision": supervision}),
                   run_tags(exp, task_kind, problems.partition, run_name, "learn2pfed", "Lv et al., arXiv:2401.08327",
-                           data_hash, identity["config_hash"], str(flow_run.id)))
+                           data_hash, identity["config_hash"], str(flow_run.id))
+                  | {"engine.torch_threads": str(torch.get_num_threads())})
         run.log(history)
 
         def snapshot() -> dict:
@@ -312,6 +315,8 @@ def run_experiment(experiment: str, params_path: str = "params.yaml", root: str 
     check_inputs(params, experiment, Path(root))
     check_prefect_api()
     open_store(tracking_uri(params.tracking.mlflow_uri))
+    print(f"{experiment}: learn2pfed on {torch_threads(exp.engine)} torch thread(s) (engine.threads: "
+          f"{exp.engine.threads}; {usable_cores()} cores)")
     with prefect_api():
         return {
             (supervision, seed): learn2pfed_flow(experiment, supervision, seed, params_path, root, on_config_change)

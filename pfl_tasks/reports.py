@@ -73,6 +73,14 @@ def configured_runs(params, experiment: str, root: Path | None = None) -> dict[t
     return runs
 
 
+def downstream_methods(params, experiment: str) -> dict[str, str]:
+    """method -> the method whose trained runs it is trained on (Learn2pFed's `features_from`)."""
+    cfg = params.learn2pfed.get(experiment)
+    if cfg is None or cfg.features_from is None:
+        return {}
+    return {f"learn2pfed-{supervision}": cfg.features_from for supervision in cfg.supervision}
+
+
 def results_store(uri: str, experiments: list[str], params_path: str, every: bool = True):
     """(MlflowClient, those of `experiments` it holds) for the store a report reads; a
     ComparisonError that says what to run first when it holds none of them or (`every`) not all.
@@ -463,7 +471,7 @@ STATISTICS_NOTE = (
 
 
 def markdown(experiment: str, metric: str, results: list[MethodResult], figures: dict[str, str],
-             tuning: dict | None = None) -> str:
+             tuning: dict | None = None, downstream: dict[str, str] | None = None) -> str:
     tolerance = f"{PLATEAU_TOLERANCE['acc']} accuracy" if metric == "acc" else f"{PLATEAU_TOLERANCE['mse']:.0%} of the MSE"
     lines = [
         f"# {experiment}: comparison",
@@ -500,6 +508,13 @@ def markdown(experiment: str, metric: str, results: list[MethodResult], figures:
                       "what choosing among these rows (a sweep's variants, a method's settings) picks. The ranks "
                       "order the rows by test, to compare methods each chosen on validation; choosing the rank-1 "
                       "row among variants would be choosing on test."]
+    shown = {r.method for r in results}
+    for method, upstream in (downstream or {}).items():
+        if method not in shown:
+            continue
+        lines += ["", f"{method} is trained on the frozen body of {upstream}'s trained runs, seed for seed: "
+                      f"{upstream}'s compute and communication (its row, and its tuning) come before its own, "
+                      "whose passes are over the linear head alone."]
     unranked = [r for r in results if not r.ranked]
     if unranked:
         lines += ["", "Not ranked:", ""]
@@ -722,7 +737,8 @@ FIGURES = (  # file name, builder, caption
 
 
 def write_report(client, experiment: str, report_dir: Path, figure_dir: Path,
-                 only: dict[tuple[str, int], str | None] | None = None, tuning: dict | None = None) -> list[MethodResult]:
+                 only: dict[tuple[str, int], str | None] | None = None, tuning: dict | None = None,
+                 downstream: dict[str, str] | None = None) -> list[MethodResult]:
     """`report_dir/<experiment>.md` and its PNGs in `figure_dir`, after removing what a killed
     writer left of their temporaries (call as their one writer); returns the ranking."""
     remove_stale_temporaries(report_dir / f"{experiment}.md",
@@ -737,5 +753,5 @@ def write_report(client, experiment: str, report_dir: Path, figure_dir: Path,
             png = figure_dir / f"{experiment}-{name}.png"
             _save(fig, png)
             figures[caption] = Path(os.path.relpath(png, report_dir)).as_posix()
-    atomic_write_text(report_dir / f"{experiment}.md", markdown(experiment, metric, results, figures, tuning))
+    atomic_write_text(report_dir / f"{experiment}.md", markdown(experiment, metric, results, figures, tuning, downstream))
     return results

@@ -218,6 +218,18 @@ def test_gradient_v_step_is_a_prox_gradient_step_on_the_clients_loss():
     torch.testing.assert_close(trace.v.detach(), torch.stack(expected))
 
 
+def test_a_clients_loss_and_accuracy_are_over_its_own_rows_of_its_own_head():
+    problem = classification_problem()
+    v = torch.randn(problem.n_clients, problem.dim, dtype=torch.float64)
+    for i in range(problem.n_clients):
+        rows = problem.mask[i] > 0
+        head = v[i].view(problem.n_classes, -1)
+        logits = problem.x[i][rows] @ head[:, :-1].T + head[:, -1]
+        y = problem.y[i][rows]
+        torch.testing.assert_close(problem.per_client_loss(v)[i], torch.nn.functional.cross_entropy(logits, y))
+        torch.testing.assert_close(problem.accuracy(v)[i], (logits.argmax(1) == y).double().mean())
+
+
 @pytest.mark.parametrize("kind", ["regression", "classification"])
 def test_meta_gradients_reach_every_parameter_and_meta_steps_reduce_the_loss(kind):
     problem = regression_problem() if kind == "regression" else classification_problem()

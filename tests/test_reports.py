@@ -440,3 +440,24 @@ def test_a_report_whose_best_on_validation_is_not_rank_one_says_which_row_a_choi
     assert "✓ ditto_mu0.1, ranked 2 here, is the best on validation: what choosing among these rows" in text
     assert "✓ ditto_mu1" not in report_markdown("e", "acc", [ranked_result("ditto_mu1", 0.90, val=0.90),
                                                              results[1]], {})
+
+
+def test_a_method_trained_downstream_of_another_says_whose_costs_precede_its_own():
+    """Learn2pFed on a trained body: its compute column counts head passes of its meta-training
+    only, so the report names the runs it stands on, for the methods it shows."""
+    from conftest import ranked_result
+    from pfl_tasks.config import parse_params
+    from pfl_tasks.reports import downstream_methods, markdown as report_markdown
+
+    params = parse_params({
+        "datasets": {"d": {"source": {"name": "digits"}}},
+        "experiments": {"e": {"dataset": "d", "model": {"kind": "mlp", "hidden": [8]}, "algorithms": ["fedavg"]},
+                        "r": {"dataset": "d", "model": {"kind": "linear"}, "algorithms": ["fedavg"]}},
+        "learn2pfed": {"e": {"features_from": "fedavg", "supervision": ["train", "val"]}, "r": {}},
+    })
+    assert downstream_methods(params, "e") == {"learn2pfed-train": "fedavg", "learn2pfed-val": "fedavg"}
+    assert downstream_methods(params, "r") == {} and downstream_methods(params, "nosuch") == {}
+    text = report_markdown("e", "acc", [ranked_result("learn2pfed-train", 0.9), ranked_result("fedavg", 0.8)], {},
+                           downstream=downstream_methods(params, "e"))
+    assert "learn2pfed-train is trained on the frozen body of fedavg's trained runs" in text
+    assert "learn2pfed-val" not in text  # not among the rows

