@@ -31,8 +31,8 @@ from flows.stage import check_prefect_api, prefect_api, stage_main, stage_name
 from pfl_tasks.algorithms import build, source_file, validate_params
 from pfl_tasks.algorithms.learn2pfed import Cells
 from pfl_tasks.algorithms.learn2pfed_meta import (
-    Best, client_metrics, costs, evaluate, make_optimizer, meta_step, padded_problem, participation, personalized_models,
-    split_validation,
+    HELD_OUT_HALF, Best, client_metrics, costs, evaluate, make_optimizer, meta_step, padded_problem, participation,
+    personalized_models, split_validation,
 )
 from pfl_tasks.config import Learn2pFedConfig, ResolvedExperiment, config_hash, load_params
 from pfl_tasks.data import FederatedData, load_partition, partition_dir
@@ -249,7 +249,8 @@ def learn2pfed_flow(experiment: str, supervision: str, seed: int, params_path: s
                            "learn2pfed": cfg.model_dump(mode="json"), "supervision": supervision}),
                   run_tags(exp, task_kind, problems.partition, run_name, "learn2pfed", "Lv et al., arXiv:2401.08327",
                            data_hash, identity["config_hash"], str(flow_run.id))
-                  | {"engine.torch_threads": str(torch.get_num_threads())})
+                  | {"engine.torch_threads": str(torch.get_num_threads())}
+                  | ({"validation_rows": HELD_OUT_HALF} if supervision == "val" else {}))
         run.log(history)
 
         def snapshot() -> dict:

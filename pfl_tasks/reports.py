@@ -43,6 +43,7 @@ ALPHA = 0.05
 # reported: `federation.dropout`) barely trained: it is listed, never ranked, and its plateau
 # verdict does not count
 MIN_AGGREGATED = 0.5
+ALL_VALIDATION = "every client's validation rows"
 CLIENTS_TABLE = "clients_selected.csv"  # each client's metrics at the round selected on validation
 # PFLlib's published statistic (Zhang et al., JMLR 2025): the test metric weighted by the clients'
 # test samples (its sum of correct over sum of samples), at the best round *on test*
@@ -196,6 +197,9 @@ class MethodResult:
     sizes: dict[int, np.ndarray] = field(default_factory=dict)
     weighted: Interval | None = None
     p_vs_best_weighted: float | None = None
+    # the validation rows `val` is on: every client's (the split), or those its runs' tag
+    # `validation_rows` names (Learn2pFed's `val` supervision), not comparable with the others'
+    validation_rows: str = ALL_VALIDATION
 
     @property
     def too_few_rounds(self) -> list[tuple[int, int, int]]:
@@ -276,6 +280,8 @@ def method_result(client, method: str, by_seed: dict[int, object], metric: str) 
         sizes=sizes,
         weighted=(mean_ci(list(personal.values()), weights=[sizes[s] for s in personal])
                   if personal and complete and set(sizes) == set(personal) else None),
+        validation_rows=next((r.data.tags["validation_rows"] for r in runs if "validation_rows" in r.data.tags),
+                             ALL_VALIDATION),
     )
 
 
@@ -366,8 +372,8 @@ def flips(results: list[MethodResult]) -> dict[str, str]:
 
 def winner_on_validation(results: list[MethodResult]) -> MethodResult | None:
     """The ranked method with the best validation metric at its selected rounds: a sweep's
-    choice, made without the test split."""
-    scored = [r for r in results if r.ranked and r.val is not None]
+    choice, made without the test split; among the methods scored on every validation row."""
+    scored = [r for r in results if r.ranked and r.val is not None and r.validation_rows == ALL_VALIDATION]
     if not scored:
         return None
     pick = max if HIGHER_IS_BETTER[scored[0].metric] else min
@@ -508,6 +514,10 @@ def markdown(experiment: str, metric: str, results: list[MethodResult], figures:
                       "what choosing among these rows (a sweep's variants, a method's settings) picks. The ranks "
                       "order the rows by test, to compare methods each chosen on validation; choosing the rank-1 "
                       "row among variants would be choosing on test."]
+    for r in results:
+        if r.validation_rows != ALL_VALIDATION:
+            lines += ["", f"{r.method}'s validation number is on {r.validation_rows}, not every row the others' "
+                          "are on: it is not compared for ✓."]
     shown = {r.method for r in results}
     for method, upstream in (downstream or {}).items():
         if method not in shown:

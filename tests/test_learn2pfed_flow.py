@@ -60,3 +60,14 @@ def test_learn2pfed_head_on_upstream_body_resumes_and_lands_in_the_table(project
     assert cells["learn2pfed-val"]["tiny"]["mean"] == pytest.approx(resumed["selected/test/personalized/acc_mean"])
     assert 0 <= resumed["selected/round"] <= 12 and resumed["final/round"] == 12
     assert "final/test/global/acc_mean" not in resumed  # the cells' w(L) is no model the method gives
+    from mlflow.tracking import MlflowClient
+
+    from pfl_tasks.algorithms.learn2pfed_meta import HELD_OUT_HALF
+    from pfl_tasks.config import load_params
+    from pfl_tasks.tracking import tracking_uri
+
+    store = MlflowClient(tracking_uri(load_params(path).tracking.mlflow_uri))
+    run = store.get_run(json.loads((project / "metrics/learn2pfed/tiny/learn2pfed-val/seed-0.json").read_text())
+                        ["mlflow_run"][0])
+    assert run.data.tags["validation_rows"] == HELD_OUT_HALF  # the reports keep it out of ✓
+    assert run.data.tags["engine.torch_threads"] == str(torch.get_num_threads())

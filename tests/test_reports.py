@@ -461,3 +461,21 @@ def test_a_method_trained_downstream_of_another_says_whose_costs_precede_its_own
                            downstream=downstream_methods(params, "e"))
     assert "learn2pfed-train is trained on the frozen body of fedavg's trained runs" in text
     assert "learn2pfed-val" not in text  # not among the rows
+
+
+def test_a_method_scored_on_other_validation_rows_is_not_the_choice_on_validation():
+    """Learn2pFed under `val` supervision selects on half of each client's validation rows (its
+    runs' `validation_rows` tag): its number is not comparable with the others', so ✓ skips it
+    and the report says why."""
+    from dataclasses import replace
+
+    from conftest import ranked_result
+    from pfl_tasks.algorithms.learn2pfed_meta import HELD_OUT_HALF
+    from pfl_tasks.reports import markdown as report_markdown, winner_on_validation
+
+    half = replace(ranked_result("learn2pfed-val", 0.90, val=0.99), validation_rows=HELD_OUT_HALF)
+    results = [half, ranked_result("learn2pfed-train", 0.89, val=0.95)]
+    assert winner_on_validation(results).method == "learn2pfed-train"
+    text = report_markdown("e", "acc", results, {})
+    assert "| 2 | learn2pfed-train✓ |" in text
+    assert f"learn2pfed-val's validation number is on {HELD_OUT_HALF}" in text

@@ -58,6 +58,9 @@ def make_optimizer(cells: Cells, cfg: MetaOptimizer) -> torch.optim.Optimizer:
     return cls(cells.parameters(), lr=cfg.lr)
 
 
+HELD_OUT_HALF = "the held-out half of each client's validation rows"  # what `val` supervision selects on
+
+
 def split_validation(problem: Problem) -> tuple[Problem, Problem, list[int]]:
     """Each client's validation rows in two by alternate position: (the rows the meta loss is
     taken on, the rows the meta-epoch is selected on, the clients with a single row, which
