@@ -92,6 +92,11 @@ def learn2pfed_stage(params, experiment: str) -> dict:
     }
 
 
+def own_data(source) -> list[str]:
+    """A `file` source's file: the prepare stage reruns when the data changes."""
+    return [source.path.as_posix()] if source.name == "file" else []
+
+
 def unlisted_defaults(params, raw: dict) -> dict[str, dict]:
     """Per configured run, the hyper-parameters its `algorithms.<run>` entry leaves to the code's
     defaults: DVC sees only the keys params.yaml holds (`dvc exp run -S` can change no other)."""
@@ -117,7 +122,8 @@ def stages(params_path: str = "params.yaml") -> dict:
     for dataset in sorted({params.experiment(e).dataset for e in params.experiments}):
         out[stage_name("prepare", dataset)] = {
             "cmd": f"python -m flows.prepare {dataset}",
-            "deps": ["flows/prepare.py", *map(str, run_code(ROOT / "pfl_tasks/data/__init__.py"))],
+            "deps": ["flows/prepare.py", *map(str, run_code(ROOT / "pfl_tasks/data/__init__.py")),
+                     *own_data(params.datasets[dataset].source)],
             "params": ["seed", f"datasets.{dataset}", "experiments"],  # their seeds: one partition per seed
             "outs": [f"data/partitions/{dataset}"],
         }

@@ -142,10 +142,32 @@ class MNIST5kSource(Strict):
     name: Literal["mnist5k"]
 
 
+class FileSource(Strict):
+    """Your own data, one file: a table (`.csv`, `.parquet`) of numeric feature columns, a label
+    column and optionally a client-id column, or a NumPy `.npz` with arrays of those names
+    (features `x` [n, ...]). With a client id, each id is a client (partition `natural`)."""
+
+    name: Literal["file"]
+    path: Path  # relative to the project root
+    task: Literal["classification", "regression"]
+    label: str = "label"  # classification: any values, numbered in sorted order
+    client: str | None = None  # None: the configured partitioner assigns the clients
+    features: Annotated[list[str], Field(min_length=1)] | None = None  # None: every other column (`x` in a .npz)
+
+    @field_validator("path")
+    @classmethod
+    def _known_format(cls, path: Path) -> Path:
+        if path.suffix not in FILE_FORMATS:
+            raise ValueError(f"'{path}' is not one of {list(FILE_FORMATS)}")
+        return path
+
+
+FILE_FORMATS = (".csv", ".parquet", ".npz")
+
 Source = Annotated[
     Union[
         SyntheticSource, DigitsSource, PolynomialSource, ChicagoSource, FashionMNISTSource,
-        MNIST5kSource,
+        MNIST5kSource, FileSource,
     ],
     Field(discriminator="name"),
 ]
@@ -203,6 +225,10 @@ class DatasetConfig(Strict):
         if self.test_fraction + self.val_fraction >= 1:
             raise ValueError(f"test_fraction + val_fraction = {self.test_fraction + self.val_fraction:g} "
                              "leaves no training data")
+        if isinstance(self.source, FileSource) and (self.source.client is None) == (self.partition.kind == "natural"):
+            raise ValueError(f"partition '{self.partition.kind}' with source.client "
+                             f"{self.source.client!r}: a client column is the partition (kind natural); "
+                             "without one, give a partition kind (iid, dirichlet, shards)")
         return self
 
 

@@ -11,7 +11,7 @@ from pfl_tasks.data import build_partition
 from pfl_tasks.data.partition import chronological_split, standardize_by_train
 from pfl_tasks.data.schema import validate_partition
 from pfl_tasks.data.sources import RawDataset, chicago, fashion_mnist
-from pfl_tasks.errors import PartitionError, SourceError
+from pfl_tasks.errors import DataValidationError, PartitionError, SourceError
 
 RNG = np.random.default_rng(0)
 
@@ -203,3 +203,84 @@ def test_mnist5k_gives_balanced_images_and_passes_the_schema():
     pixels = df.filter(regex=r"^f\d+$").to_numpy()
     assert pixels.shape == (5000, 784) and pixels.min() == 0 and pixels.max() == 1
     validate_partition(df, "classification", 10, 10)
+
+
+# ----------------------------------------------------------------------------- your own file
+def own_rows(n=240, clients=4, seed=0):
+    import pandas as pd
+
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, 3))
+    return pd.DataFrame({"a": x[:, 0], "b": x[:, 1], "c": x[:, 2],
+                         "species": np.where(x[:, 0] + x[:, 1] > 0, "setosa", "virginica"),
+                         "site": rng.integers(0, clients, n) * 10, "y": 2 * x[:, 2] + 1})
+
+
+@pytest.mark.parametrize("suffix", [".csv", ".parquet"])
+def test_a_table_of_your_own_is_partitioned_by_its_client_column_or_the_configured_partitioner(tmp_path, suffix):
+    rows = own_rows()
+    path = tmp_path / f"own{suffix}"
+    rows.to_csv(path, index=False) if suffix == ".csv" else rows.to_parquet(path)
+    by_site = DatasetConfig.model_validate(
+        {"source": {"name": "file", "path": str(path), "task": "classification", "label": "species",
+                    "client": "site", "features": ["a", "b"]}})
+    df, manifest = build_partition("own", by_site, seed=0)
+    assert manifest["n_clients"] == 4 and manifest["n_classes"] == 2 and manifest["feature_shape"] == [2]
+    sites = rows["site"].to_numpy()
+    counts = [c["train"] + c["val"] + c["test"] for c in manifest["clients"]]
+    assert counts == [int((sites == s).sum()) for s in sorted(set(sites))]  # each site a client, in order
+    first = df.sort_values("sample_id").iloc[0]
+    assert first["label"] == int(rows["species"][0] == "virginica")  # classes numbered in sorted order
+    assert np.allclose([first["f0"], first["f1"]], rows[["a", "b"]].iloc[0], atol=1e-6)
+
+    numeric = tmp_path / f"numeric{suffix}"
+    rows = rows.drop(columns="species")
+    rows.to_csv(numeric, index=False) if suffix == ".csv" else rows.to_parquet(numeric)
+    spread = DatasetConfig.model_validate(
+        {"source": {"name": "file", "path": str(numeric), "task": "regression", "label": "y"},
+         "partition": {"kind": "iid", "n_clients": 3}})
+    df, manifest = build_partition("own", spread, seed=0)
+    assert manifest["n_clients"] == 3 and manifest["task"] == "regression"
+    assert manifest["feature_shape"] == [4]  # every other column: a, b, c, site (the label excluded)
+
+
+def test_an_npz_of_your_own_keeps_its_feature_shape(tmp_path):
+    rng = np.random.default_rng(0)
+    path = tmp_path / "own.npz"
+    np.savez(path, x=rng.normal(size=(90, 1, 4, 4)), label=rng.integers(0, 3, 90), client=np.repeat([7, 8, 9], 30))
+    cfg = source_cfg(name="file", path=str(path), task="classification", client="client")
+    df, manifest = build_partition("own", cfg, seed=0)
+    assert manifest["feature_shape"] == [1, 4, 4] and manifest["n_clients"] == 3 and manifest["n_classes"] == 3
+
+
+def test_a_file_of_your_own_that_does_not_fit_is_one_line_naming_it(tmp_path):
+    rows = own_rows()
+    table = tmp_path / "own.csv"
+    rows.to_csv(table, index=False)
+
+    def fails(expected, **source):
+        cfg = DatasetConfig.model_validate({"source": {"name": "file", "task": "classification", **source},
+                                            "partition": {"kind": "iid", "n_clients": 2}})
+        with pytest.raises(SourceError, match=expected):
+            build_partition("own", cfg, seed=0)
+
+    fails(r"nosuch.csv: no such file", path=str(tmp_path / "nosuch.csv"))
+    fails(r"own.csv: no column\(s\) \['label'\]", path=str(table))
+    fails(r"feature column\(s\) \['species'\] are not numeric", path=str(table), label="y")
+    (tmp_path / "one.csv").write_text("a,label\n1,x\n2,x\n3,x\n")
+    fails(r"one.csv: label 'label' has 1 class", path=str(tmp_path / "one.csv"))
+    (tmp_path / "bad.npz").write_bytes(b"not a zip")
+    fails(r"bad.npz: not a readable .npz", path=str(tmp_path / "bad.npz"))
+    np.savez(tmp_path / "arrays.npz", features=np.zeros((4, 2)), label=np.arange(4))
+    fails(r"arrays.npz: .*no array\(s\) \['x'\]", path=str(tmp_path / "arrays.npz"))
+    with pytest.raises(ValidationError, match="not one of"):
+        source_cfg(name="file", path="own.xlsx", task="regression")
+    (tmp_path / "gap.csv").write_text("a,label\n" + "".join(f"{i},{i % 2}\n" for i in range(30)) + ",1\n")
+    with pytest.raises(DataValidationError, match="f0"):  # the same pandera checks as every source
+        build_partition("own", DatasetConfig.model_validate(
+            {"source": {"name": "file", "path": str(tmp_path / "gap.csv"), "task": "classification"},
+             "partition": {"kind": "iid", "n_clients": 2}}), seed=0)
+    for source, partition in (({"client": "site"}, {"kind": "iid", "n_clients": 2}), ({}, {"kind": "natural"})):
+        with pytest.raises(ValidationError, match="a client column is the partition"):
+            DatasetConfig.model_validate({"source": {"name": "file", "path": str(table), "task": "regression",
+                                                     **source}, "partition": partition})

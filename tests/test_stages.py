@@ -73,6 +73,17 @@ def test_a_stage_per_experiment_with_the_params_its_runs_read(tmp_path):
         "pfl_tasks/data/sources.py", "pfl_tasks/data/store.py"}
 
 
+def test_a_dataset_of_your_own_reruns_its_prepare_stage_when_its_file_changes(tmp_path):
+    params = {
+        "datasets": {"own": {"source": {"name": "file", "path": "data/own/rows.csv", "task": "classification"},
+                             "partition": {"kind": "iid", "n_clients": 4}}},
+        "experiments": {"e": {"dataset": "own", "model": {"kind": "linear"}, "algorithms": ["fedavg"]}},
+    }
+    path = tmp_path / "params.yaml"
+    path.write_text(yaml.safe_dump(listing_defaults(params)))
+    assert "data/own/rows.csv" in stages(str(path))["stages"]["prepare-own"]["deps"]
+
+
 def test_a_run_whose_hyper_parameters_are_not_all_listed_is_refused_with_their_defaults(tmp_path):
     """DVC sees only the keys params.yaml holds: a default left to the code could not be changed
     by `dvc exp run -S` (it would ask for `+algorithms...`), and no stage would depend on it."""

@@ -20,6 +20,7 @@ from pfl_tasks.config import (
     ChicagoSource,
     DigitsSource,
     FashionMNISTSource,
+    FileSource,
     MNIST5kSource,
     PolynomialSource,
     SyntheticSource,
@@ -230,3 +231,66 @@ def mnist5k(cfg: MNIST5kSource, rng: np.random.Generator) -> RawDataset:
     x, y = mnist_data()
     images = (x / 255.0).astype(np.float32).reshape(-1, 1, 28, 28)
     return RawDataset(images, y.astype(np.int64), "classification", 10)
+
+
+@source("file")
+def file(cfg: FileSource, rng: np.random.Generator) -> RawDataset:
+    """The user's own features, labels and optional client ids, from one CSV, Parquet or .npz
+    file (`FileSource`); class labels of any kind are numbered in sorted order."""
+    if not cfg.path.is_file():
+        raise SourceError(f"{cfg.path}: no such file (datasets.<name>.source.path, relative to the project root)")
+    columns = _npz_arrays(cfg) if cfg.path.suffix == ".npz" else _table_columns(cfg)
+    features, labels = columns["features"], columns["labels"]
+    if features.ndim < 2 or len(labels) != len(features) or labels.ndim != 1:
+        raise SourceError(f"{cfg.path}: features {list(features.shape)} and labels {list(labels.shape)} "
+                          "are not [n, ...] and [n]")
+    if not np.issubdtype(features.dtype, np.number):
+        raise SourceError(f"{cfg.path}: features are {features.dtype}, not numbers")
+    if cfg.task == "classification":
+        classes, labels = np.unique(labels, return_inverse=True)
+        n_classes = len(classes)
+        if n_classes < 2:
+            raise SourceError(f"{cfg.path}: label '{cfg.label}' has {n_classes} class; classification needs 2 or more")
+        labels = labels.astype(np.int64)
+    else:
+        if not np.issubdtype(labels.dtype, np.number):
+            raise SourceError(f"{cfg.path}: label '{cfg.label}' is {labels.dtype}: regression needs numbers")
+        labels, n_classes = labels.astype(np.float32), 0
+    return RawDataset(features.astype(np.float32), labels, cfg.task, n_classes, columns.get("groups"))
+
+
+def _table_columns(cfg: FileSource) -> dict[str, np.ndarray]:
+    import pandas as pd
+
+    try:
+        table = pd.read_csv(cfg.path) if cfg.path.suffix == ".csv" else pd.read_parquet(cfg.path)
+    except (OSError, ValueError) as err:
+        raise SourceError(f"{cfg.path}: not a readable {cfg.path.suffix[1:]} table ({err})") from None
+    named = [cfg.label, *([cfg.client] if cfg.client else []), *(cfg.features or [])]
+    missing = [c for c in named if c not in table.columns]
+    if missing:
+        raise SourceError(f"{cfg.path}: no column(s) {missing} (it has {list(table.columns)[:20]})")
+    features = table[cfg.features or [c for c in table.columns if c not in (cfg.label, cfg.client)]]
+    text = [c for c in features.columns if not pd.api.types.is_numeric_dtype(features[c])]
+    if text:
+        raise SourceError(f"{cfg.path}: feature column(s) {text[:5]} are not numeric: encode them, or name the "
+                          "numeric ones in source.features")
+    out = {"features": features.to_numpy(), "labels": table[cfg.label].to_numpy()}
+    if cfg.client:
+        out["groups"] = table[cfg.client].to_numpy()
+    return out
+
+
+def _npz_arrays(cfg: FileSource) -> dict[str, np.ndarray]:
+    try:
+        with np.load(cfg.path, allow_pickle=False) as npz:
+            arrays = {key: npz[key] for key in npz.files}
+    except (OSError, ValueError) as err:
+        raise SourceError(f"{cfg.path}: not a readable .npz ({err})") from None
+    names = {"features": (cfg.features or ["x"])[0], "labels": cfg.label,
+             **({"groups": cfg.client} if cfg.client else {})}
+    missing = [name for name in names.values() if name not in arrays]
+    if missing or (cfg.features and len(cfg.features) > 1):
+        raise SourceError(f"{cfg.path}: a .npz holds one features array and a labels array: no array(s) "
+                          f"{missing or cfg.features[1:]} (it has {sorted(arrays)})")
+    return {key: arrays[name] for key, name in names.items()}
