@@ -106,25 +106,27 @@ LATEX_MARKS = {"≈": r"$^{\approx}$", "†": r"$^{\dagger}$", "✓": r"$^{\chec
 
 
 def latex(name: str, rows: dict[str, dict[str, dict]], columns: list[str]) -> str:
-    """The table as a booktabs `tabular` (a paper's `\\input`): mean [95% CI] to 3 decimals with
-    the markdown's marks; an unranked cell says why in a footnote-sized line."""
-    def escape(text: str) -> str:
-        return "".join("\\" + ch if ch in "&%$#_{}" else ch for ch in text)
+    """The table as a booktabs `tabular` (a paper's `\\input`), rendered and escaped by pandas'
+    Styler: mean [95% CI] to 3 decimals with the markdown's marks; an unranked cell says why in a
+    footnote-sized line."""
+    import pandas as pd
 
     def text(c: dict | None) -> str:
         if c is None:
             return "--"
-        if "status" in c:
-            return r"{\footnotesize " + escape(c["status"]) + "}"
-        marks = "".join(LATEX_MARKS.get(mark, "") for mark in c["marks"])
-        return f"{c['mean']:.3f} [{c['ci_low']:.3f}, {c['ci_high']:.3f}]{marks}"
+        return c["status"] if "status" in c else f"{c['mean']:.3f} [{c['ci_low']:.3f}, {c['ci_high']:.3f}]"
 
-    lines = [f"% {name}: written by `python -m flows.tables` (reports/markdown/{name}.md says how to read it)",
-             r"\begin{tabular}{l" + "c" * len(columns) + "}", r"\toprule",
-             " & ".join(["Method", *map(escape, columns)]) + r" \\", r"\midrule"]
-    lines += [" & ".join([escape(method), *(text(row.get(col)) for col in columns)]) + r" \\"
-              for method, row in rows.items()]
-    return "\n".join([*lines, r"\bottomrule", r"\end{tabular}"]) + "\n"
+    table = pd.DataFrame([[method, *(text(row.get(col)) for col in columns)] for method, row in rows.items()],
+                         columns=["Method", *columns])
+    styler = table.style.hide(axis="index").format(escape="latex").format_index(escape="latex", axis=1)
+    for i, row in enumerate(rows.values()):
+        for col in columns:
+            cell = row.get(col) or {}
+            marks = "".join(LATEX_MARKS.get(mark, "") for mark in cell.get("marks", ""))
+            wrap = (lambda v: r"{\footnotesize " + v + "}") if "status" in cell else (lambda v, m=marks: v + m)
+            styler.format(wrap, subset=pd.IndexSlice[[i], [col]], escape="latex")
+    body = styler.to_latex(hrules=True, column_format="l" + "c" * len(columns))
+    return f"% {name}: written by `python -m flows.tables` (reports/markdown/{name}.md says how to read it)\n{body}"
 
 
 def write_dvc_table(folder: Path, rows: dict) -> None:

@@ -421,6 +421,8 @@ def test_a_table_exports_to_latex_and_csv_with_its_marks_and_unranked_reasons():
         r"fed\_avg & 0.912 [0.900, 0.925]$^{\dagger}$ & -- \\",
         r"ditto & 0.912 [0.900, 0.925]$^{\approx}$$^{\checkmark}$ & {\footnotesize diverged at round 3 (seed 0)} \\",
         r"\bottomrule", r"\end{tabular}"]
+    odd = latex("t", {"lr~1e^-2\\x": {"50%_#": {**best, "marks": ""}}}, ["50%_#"])  # pandas escapes them all
+    assert r"lr\textasciitilde 1e\textasciicircum -2\textbackslash x & 0.912" in odd and r"50\%\_\#" in odd
     csv = csv_rows(rows, ["mnist", "cifar"])
     assert [(r["method"], r["experiment"], r["mean"], r["status"]) for r in csv] == [
         ("fed_avg", "mnist", 0.91234, ""), ("ditto", "mnist", 0.91234, ""),
