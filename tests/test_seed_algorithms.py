@@ -214,7 +214,7 @@ def test_l2sgd_expected_step_is_exactly_a_gradient_step_on_its_objective():
     coins = l2sgd_rounds(p=p)
     xs, ys, fed, state = lsq_federation("l2sgd", {"lam": lam, "p": p, "lr": lr}, rounds=7)
     state = RunState(state.round, {**state.server, "pending": torch.zeros(())}, {
-        "params": {"1.weight": state.clients["params"]["1.weight"] + torch.randn(4, 1, 3)}})
+        **state.clients, "params": {"1.weight": state.clients["params"]["1.weight"] + torch.randn(4, 1, 3)}})
     theta = state.clients["params"]["1.weight"][:, 0].double()
     local_round, comm_round = coins.index(False), coins.index(True)
     # both branches from the same state (a round consumes its state)

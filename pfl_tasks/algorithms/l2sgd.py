@@ -6,8 +6,8 @@ with probability 1 - p (a coin shared by all clients, seeded by round) every cli
 local step theta_k <- theta_k - lr/(K(1-p)) grad f_k(theta_k); with probability p the clients
 send theta_k, the server averages them, and every client takes the averaging step
 theta_k <- theta_k - lr lam/(K p) (theta_k - mean). The averaging step needs the mean, so it
-is applied at the start of the client's next round (and by `personalized` for evaluation);
-the sequence of updates is the algorithm's. Needs full participation. [choice] Defaults
+is applied at the start of the client's next round (and by `personalized` for evaluation),
+the only round whose download is the mean; the sequence of updates is the algorithm's. Needs full participation. [choice] Defaults
 lam = 1, p = 0.5, lr = 1 (the paper sweeps them; K = all clients scales the steps).
 """
 
@@ -42,24 +42,28 @@ class L2SGD(Algorithm):
         return {"mean": params, "pending": torch.zeros(()), "n_clients": torch.tensor(facts.n_clients)}
 
     def init_clients(self, params, n_clients):
-        return {"params": replicate(params, n_clients)}
+        # K, which scales both steps, is known to every client: it never crosses the wire
+        return {"params": replicate(params, n_clients), "n_clients": torch.full((n_clients,), n_clients)}
 
     def payload(self, server):
-        return server
+        """The mean, when an averaging step is due (the clients sent theirs last round); else nothing."""
+        return {"mean": server["mean"]} if server["pending"] else {}
 
-    def averaging_step(self, params, server):
-        shrink = self.hp.lr * self.hp.lam / (int(server["n_clients"]) * self.hp.p) * server["pending"]
-        return {k: v - shrink * (v - server["mean"][k]) for k, v in params.items()}
+    def averaging_step(self, params, mean, n_clients: int):
+        shrink = self.hp.lr * self.hp.lam / (n_clients * self.hp.p)
+        return {k: v - shrink * (v - mean[k]) for k, v in params.items()}
 
     def client_update(self, trainer, payload, state):
-        params = self.averaging_step(state["params"], payload)
+        n_clients = int(state["n_clients"][0])
+        params = state["params"] if "mean" not in payload else self.averaging_step(state["params"], payload["mean"],
+                                                                                   n_clients)
         if trainer.rng("l2sgd/communicate").uniform() < self.hp.p:  # this round averages
-            return {"params": params}, {"params": params}
-        step = self.hp.lr / (int(payload["n_clients"]) * (1 - self.hp.p))
+            return {"params": params}, {**state, "params": params}
+        step = self.hp.lr / (n_clients * (1 - self.hp.p))
         one_step = trainer.local.model_copy(
             update={"steps": 1, "epochs": None, "optimizer": OptimizerConfig(name="sgd", lr=step)}
         )
-        return {}, {"params": trainer.fit(params, local=one_step)}
+        return {}, {**state, "params": trainer.fit(params, local=one_step)}
 
     def aggregate(self, server, messages, weights, ids):
         if not messages:
@@ -68,7 +72,9 @@ class L2SGD(Algorithm):
         return {**server, "mean": mean, "pending": torch.ones_like(server["pending"])}
 
     def personalized(self, server, state):
-        return self.averaging_step(state["params"], server), True
+        if not server["pending"]:
+            return state["params"], True
+        return self.averaging_step(state["params"], server["mean"], int(server["n_clients"])), True
 
     def global_model(self, server, clients):
         return server["mean"]
