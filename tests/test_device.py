@@ -91,7 +91,8 @@ def test_client_stacks_on_the_gpu_are_refused_with_ray():
 
 
 def test_ray_chunks_ask_for_the_gpu_only_on_a_cuda_engine(monkeypatch):
-    ray = pytest.importorskip("ray")
+    import ray  # `make test` installs it (README, Tests: what may skip)
+
     from flows.train import ray_options
 
     engine = EngineConfig(gpus_per_chunk=0.25)
