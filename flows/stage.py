@@ -13,7 +13,6 @@ import ctypes
 import errno
 import logging
 import os
-import queue
 import re
 import signal
 import subprocess
@@ -25,6 +24,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 
+from flows import prefect_workers
 from pfl_tasks.config import params_snapshot
 from pfl_tasks.errors import (
     CheckpointError, ComparisonError, ConfigError, DataValidationError, OutputLockedError, OutputPathError,
@@ -153,19 +153,13 @@ def _drain_prefect_workers(server_died: bool) -> None:
     warnings: that wait is this one. What they hold after it, and all of it when the server died
     (each record would wait out the client's retries, about 7 s), is dropped with one line, and
     so is their drain at interpreter exit; a signal during the wait drops it too."""
-    from prefect._internal.concurrency.services import _QueueServiceBase  # every worker's base: no public list
-
-    kinds = [_QueueServiceBase]
-    for kind in kinds:  # every kind of worker warns on a logger named after its class
-        logging.getLogger(kind.__name__).setLevel(logging.ERROR)
-        kinds += kind.__subclasses__()
-    with _QueueServiceBase._instance_cache_lock:
-        workers = list(_QueueServiceBase._instances.values())
+    prefect_workers.quiet_waits()
+    held = prefect_workers.workers()
     try:
-        _QueueServiceBase.drain_all(timeout=0 if server_died else DRAIN_SECONDS)
+        prefect_workers.drain_all(timeout=0 if server_died else DRAIN_SECONDS)
     finally:
-        left = [w for w in workers if w._done_event is not None and not w._done_event.is_set()]
-        lost = sum(_drop(w) for w in left)
+        left = [w for w in held if prefect_workers.busy(w)]
+        lost = sum(prefect_workers.drop(w) for w in left)
         if server_died:
             _say(f"the stage's Prefect server died: the {lost} logs and events its client still held are lost")
         elif left:
@@ -177,19 +171,6 @@ def _say(line: str) -> None:
     """One line on stderr in one write, so that a worker thread's output cannot split it."""
     sys.stderr.write(line + "\n")
     sys.stderr.flush()
-
-
-def _drop(worker) -> int:
-    """Drop what a Prefect client worker holds, and its drain at interpreter exit (it ends after
-    the record under way); how many records it held."""
-    dropped = 0
-    with contextlib.suppress(queue.Empty):
-        while True:
-            dropped += worker._queue.get_nowait() is not None
-    worker._queue.put_nowait(None)  # its end
-    with contextlib.suppress(RuntimeError):  # its loop already closed: it has ended
-        worker._loop.call_soon_threadsafe(worker._done_event.set)
-    return dropped
 
 
 def expected(err: BaseException) -> bool:

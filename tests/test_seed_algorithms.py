@@ -229,11 +229,6 @@ def test_l2sgd_expected_step_is_exactly_a_gradient_step_on_its_objective():
     torch.testing.assert_close((1 - p) * local.double() + p * averaged.double(), expected, rtol=1e-5, atol=1e-6)
 
 
-def test_l2sgd_communicates_with_probability_p():
-    coins = l2sgd_rounds(p=0.3, n=4000)
-    assert abs(sum(coins) / len(coins) - 0.3) < 0.03
-
-
 def l2sgd_average_iterate(lam, lr, rounds=1500, tail=1000):
     from pfl_tasks.engine.steps import InlineSteps, run_round
 
