@@ -196,3 +196,35 @@ def test_a_sweep_keeps_only_its_runs_own_overrides_and_a_variant_its_runs():
                                                   grid={"algorithms.l2sgd.p": [0.2, 0.8]}, params_path=str(path))))
     exp = swept.experiment("tiny-p")
     assert [exp.for_run(r).federation.rounds for r in exp.algorithms] == [40, 40]
+
+
+def sweep_examples() -> list[list[str]]:
+    """The command lines `python -m flows.sweep --help` shows, as argument lists."""
+    import shlex
+
+    import flows.sweep
+
+    text = flows.sweep.__doc__.replace("\\\n", " ")
+    lines, current = [], None
+    for line in text.splitlines():
+        if line.strip().startswith("python -m flows.sweep"):
+            current = line.strip()
+            lines.append(current)
+        elif current is not None and line.startswith("                            "):  # a JSON example's next line
+            lines[-1] += " " + line.strip()
+        else:
+            current = None
+    return [shlex.split(line.split("  #")[0])[3:] for line in lines]
+
+
+@pytest.mark.parametrize("argv", sweep_examples(), ids=lambda argv: " ".join(argv)[:60])
+def test_each_help_example_of_the_sweep_is_a_valid_sweep_of_params_yaml(argv, monkeypatch):
+    """The examples run as written: each is parsed and its grid checked against params.yaml,
+    all the sweep does before training."""
+    import flows.sweep
+    from pfl_tasks.imports import ROOT
+
+    monkeypatch.chdir(ROOT)
+    started = []
+    monkeypatch.setattr(flows.sweep, "stage_main", lambda name, work: started.append(name) or 0)
+    assert flows.sweep.main(argv) == 0 and started == ["sweep"]
