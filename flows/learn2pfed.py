@@ -23,6 +23,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import flows  # noqa: F401  (environment defaults)
+from flows.precheck import check_params_first
+
+if __name__ == "__main__":  # a config error answers before Prefect, MLflow and torch load
+    check_params_first("learn2pfed")
+
 import torch
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE

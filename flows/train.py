@@ -25,6 +25,11 @@ from difflib import get_close_matches
 from pathlib import Path
 
 import flows  # noqa: F401  (environment defaults)
+from flows.precheck import check_params_first
+
+if __name__ == "__main__":  # a config error answers before Prefect, MLflow and torch load
+    check_params_first("train")
+
 from prefect import flow, task, unmapped
 from prefect.cache_policies import NO_CACHE
 from prefect.task_runners import ThreadPoolTaskRunner

@@ -16,6 +16,11 @@ import time
 from pathlib import Path
 
 import flows  # noqa: F401  (environment defaults)
+from flows.precheck import check_params_first
+
+if __name__ == "__main__":  # a config error answers before Prefect, MLflow and torch load
+    check_params_first("tune")
+
 import yaml
 from prefect import flow
 

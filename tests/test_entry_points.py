@@ -64,3 +64,23 @@ def test_bad_input_fails_in_one_line_and_leaves_nothing(tmp_path, params, comman
     assert len(lines) == 1 and lines[0].startswith(f"{stage} failed: ") and message in lines[0], proc.stderr
     assert proc.stderr.count(message) == 1
     assert sorted(tmp_path.rglob("*")) == before
+
+
+@pytest.mark.parametrize("module", ["flows.train", "flows.tune", "flows.learn2pfed"])
+@pytest.mark.parametrize("case", ["unknown experiment", "unknown key"])
+def test_a_config_error_answers_before_prefect_mlflow_and_torch_load(tmp_path, module, case):
+    """`flows.precheck`: the params file and the experiment named are checked first, so such an
+    error is one line without the 3-5 s of the heavy imports (the benchmark times it)."""
+    params = bad_params()
+    if case == "unknown key":
+        params["federation"] = {"roundz": 3}
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
+    experiment = "nosuch" if case == "unknown experiment" else "tiny"
+    proc = subprocess.run([sys.executable, "-X", "importtime", "-m", module, experiment], cwd=tmp_path,
+                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=300)
+    imported = {line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
+    said = [line for line in proc.stderr.splitlines() if not line.startswith("import time:")]
+    assert proc.returncode == 2 and len(said) == 1, proc.stderr[-2000:]
+    stage = module.removeprefix("flows.")
+    assert said[0].startswith(f"{stage} failed: ") and ("nosuch" in said[0] or "unknown key(s) ['roundz']" in said[0])
+    assert not {"prefect", "mlflow", "torch"} & imported
