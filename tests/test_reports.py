@@ -253,6 +253,8 @@ def test_the_test_selected_statistic_is_printed_apart_and_ranks_nothing(tmp_path
     text = report_markdown(experiment, "acc", results, {})
     section = text.split("## Test-selected and sample-weighted, for comparison with published numbers only")[1]
     assert "| a | 0.8400 |" in section and "| b | 0.9400 |" in section and "ranks nothing" in section
+    by_method = {r.method: r for r in results}
+    assert f"| b | 0.9400 | {by_method['b'].weighted[0]:.4f} | {by_method['b'].personalized[0]:.4f} |" in section
 
 
 def test_regression_ranks_lowest_mse_first_and_missing_experiment_is_named(tmp_path):
