@@ -67,13 +67,15 @@ def test_bad_input_fails_in_one_line_and_leaves_nothing(tmp_path, params, comman
 
 
 @pytest.mark.parametrize("module", ["flows.train", "flows.tune", "flows.learn2pfed"])
-@pytest.mark.parametrize("case", ["unknown experiment", "unknown key"])
+@pytest.mark.parametrize("case", ["unknown experiment", "unknown key", "hyper-parameter"])
 def test_a_config_error_answers_before_prefect_mlflow_and_torch_load(tmp_path, module, case):
     """`flows.precheck`: the params file and the experiment named are checked first, so such an
-    error is one line without the 3-5 s of the heavy imports (the benchmark times it)."""
+    error is one line without the heavy imports; an algorithm's hyper-parameter needs torch alone."""
     params = bad_params()
     if case == "unknown key":
         params["federation"] = {"roundz": 3}
+    if case == "hyper-parameter":
+        params["algorithms"] = {"fedavg": {"weighting": "nosuch"}}
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
     experiment = "nosuch" if case == "unknown experiment" else "tiny"
     proc = subprocess.run([sys.executable, "-X", "importtime", "-m", module, experiment], cwd=tmp_path,
@@ -82,5 +84,8 @@ def test_a_config_error_answers_before_prefect_mlflow_and_torch_load(tmp_path, m
     said = [line for line in proc.stderr.splitlines() if not line.startswith("import time:")]
     assert proc.returncode == 2 and len(said) == 1, proc.stderr[-2000:]
     stage = module.removeprefix("flows.")
-    assert said[0].startswith(f"{stage} failed: ") and ("nosuch" in said[0] or "unknown key(s) ['roundz']" in said[0])
-    assert not {"prefect", "mlflow", "torch"} & imported
+    expected = {"unknown experiment": "unknown experiment 'nosuch'", "unknown key": "unknown key(s) ['roundz']",
+                "hyper-parameter": "algorithms.fedavg.weighting: Input should be"}[case]
+    assert said[0].startswith(f"{stage} failed: ") and expected in said[0]
+    assert not {"prefect", "mlflow"} & imported
+    assert ("torch" in imported) == (case == "hyper-parameter")
