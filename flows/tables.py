@@ -30,23 +30,12 @@ from pfl_tasks.errors import ConfigError
 from pfl_tasks.files import atomic_write_text
 from pfl_tasks.outputs import write_csv
 from pfl_tasks.reports import (
-    MethodResult, collect, configured_runs, interval, marks, primary_metric, protocol_lines, results_store,
-    summarize, unranked_note, winner_on_validation,
+    cell, collect, configured_runs, csv_rows, interval, latex, primary_metric, protocol_lines, results_store,
+    summarize, winner_on_validation,
 )
 from pfl_tasks.tracking import MlflowRun, tracking_uri
 
 REPORTS = Path("reports")
-
-
-def cell(result: MethodResult, metric: str, chosen: bool) -> dict:
-    """`chosen`: the column's best on validation."""
-    if not result.ranked:
-        return {"metric": metric, "status": unranked_note(result)}
-    point, low, high = result.personalized
-    return {"metric": metric, "mean": point, "ci_low": low, "ci_high": high, "seeds": len(result.seeds),
-            "not_worse_than_best": result.indistinguishable(), "global_only": result.global_only,
-            "best_on_validation": chosen, "marks": marks(result, chosen),
-            **({"weighted": result.weighted[0]} if result.weighted else {})}
 
 
 def build_table(client, params: Params, table: TableConfig, root: Path) -> dict[str, dict[str, dict]]:
@@ -90,45 +79,6 @@ def markdown(name: str, rows: dict[str, dict[str, dict]], columns: list[str]) ->
     return "\n".join(lines) + "\n"
 
 
-CSV_FIELDS = ("method", "experiment", "metric", "mean", "ci_low", "ci_high", "seeds", "weighted",
-              "not_worse_than_best", "global_only", "best_on_validation", "status")
-
-
-def csv_rows(rows: dict[str, dict[str, dict]], columns: list[str]) -> list[dict]:
-    """The table in long form, a row per (method, experiment), every number unrounded (for a
-    paper's own formatting or plots); `status` says why a cell is not ranked."""
-    return [{"method": method, "experiment": experiment,
-             **{key: row[experiment].get(key, "") for key in CSV_FIELDS[2:]}}
-            for method, row in rows.items() for experiment in columns if experiment in row]
-
-
-LATEX_MARKS = {"≈": r"$^{\approx}$", "†": r"$^{\dagger}$", "✓": r"$^{\checkmark}$"}  # \checkmark: amssymb
-
-
-def latex(name: str, rows: dict[str, dict[str, dict]], columns: list[str]) -> str:
-    """The table as a booktabs `tabular` (a paper's `\\input`), rendered and escaped by pandas'
-    Styler: mean [95% CI] to 3 decimals with the markdown's marks; an unranked cell says why in a
-    footnote-sized line."""
-    import pandas as pd
-
-    def text(c: dict | None) -> str:
-        if c is None:
-            return "--"
-        return c["status"] if "status" in c else f"{c['mean']:.3f} [{c['ci_low']:.3f}, {c['ci_high']:.3f}]"
-
-    table = pd.DataFrame([[method, *(text(row.get(col)) for col in columns)] for method, row in rows.items()],
-                         columns=["Method", *columns])
-    styler = table.style.hide(axis="index").format(escape="latex").format_index(escape="latex", axis=1)
-    for i, row in enumerate(rows.values()):
-        for col in columns:
-            cell = row.get(col) or {}
-            marks = "".join(LATEX_MARKS.get(mark, "") for mark in cell.get("marks", ""))
-            wrap = (lambda v: r"{\footnotesize " + v + "}") if "status" in cell else (lambda v, m=marks: v + m)
-            styler.format(wrap, subset=pd.IndexSlice[[i], [col]], escape="latex")
-    body = styler.to_latex(hrules=True, column_format="l" + "c" * len(columns))
-    return f"% {name}: written by `python -m flows.tables` (reports/markdown/{name}.md says how to read it)\n{body}"
-
-
 def write_dvc_table(folder: Path, rows: dict) -> None:
     """The table as DVC metrics: a file per method (`dvc metrics show` prints a row each),
     holding per experiment the cell's mean, 95% CI and seeds (the marks are in the markdown)."""
@@ -153,7 +103,8 @@ def write_tables(params_path: str = "params.yaml", root: str = ".") -> list[Path
         md, columns = root / REPORTS / "markdown" / f"{name}.md", params.tables[name].experiments
         atomic_write_text(md, text)
         write_csv(md.with_suffix(".csv"), csv_rows(rows, columns))
-        atomic_write_text(md.with_suffix(".tex"), latex(name, rows, columns))
+        atomic_write_text(md.with_suffix(".tex"), latex(rows, columns, f"{name}: written by `python -m flows.tables` "
+                                                              f"(reports/markdown/{name}.md says how to read it)"))
         write_dvc_table(root / REPORTS / "tables" / name, rows)
         with MlflowRun(params.tracking.mlflow_uri, "tables", name, None, params.tracking.retry_seconds) as tracker, \
                 tempfile.TemporaryDirectory() as tmp:

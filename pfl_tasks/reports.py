@@ -32,7 +32,7 @@ from pfl_tasks.config import load_params
 from pfl_tasks.engine.evaluate import HIGHER_IS_BETTER
 from pfl_tasks.errors import ComparisonError
 from pfl_tasks.files import atomic_write, atomic_write_text, remove_stale_temporaries
-from pfl_tasks.outputs import pinned_run
+from pfl_tasks.outputs import pinned_run, write_csv
 from pfl_tasks.runs import RunPaths
 from pfl_tasks.selection import PLATEAU_TOLERANCE
 from pfl_tasks.stats import TEST_NAME, WEIGHTED_TEST_NAME, holm, mean_ci, paired_pvalue, paired_weighted_pvalue
@@ -605,6 +605,57 @@ def test_selected_lines(results: list[MethodResult]) -> list[str]:
               f"| {r.personalized[0]:.4f} |" for r in shown)]
 
 
+# ----------------------------------------------------------------------------- paper forms
+def cell(result: MethodResult, metric: str, chosen: bool) -> dict:
+    """A table cell of `result` (`flows.tables`, and the report's own .csv/.tex); `chosen`: the
+    column's best on validation."""
+    if not result.ranked:
+        return {"metric": metric, "status": unranked_note(result)}
+    point, low, high = result.personalized
+    return {"metric": metric, "mean": point, "ci_low": low, "ci_high": high, "seeds": len(result.seeds),
+            "not_worse_than_best": result.indistinguishable(), "global_only": result.global_only,
+            "best_on_validation": chosen, "marks": marks(result, chosen),
+            **({"weighted": result.weighted[0]} if result.weighted else {})}
+
+
+CSV_FIELDS = ("method", "experiment", "metric", "mean", "ci_low", "ci_high", "seeds", "weighted",
+              "not_worse_than_best", "global_only", "best_on_validation", "status")
+
+
+def csv_rows(rows: dict[str, dict[str, dict]], columns: list[str]) -> list[dict]:
+    """The table in long form, a row per (method, experiment), every number unrounded (for a
+    paper's own formatting or plots); `status` says why a cell is not ranked."""
+    return [{"method": method, "experiment": experiment,
+             **{key: row[experiment].get(key, "") for key in CSV_FIELDS[2:]}}
+            for method, row in rows.items() for experiment in columns if experiment in row]
+
+
+LATEX_MARKS = {"≈": r"$^{\approx}$", "†": r"$^{\dagger}$", "✓": r"$^{\checkmark}$"}  # \checkmark: amssymb
+
+
+def latex(rows: dict[str, dict[str, dict]], columns: list[str], comment: str) -> str:
+    """The table as a booktabs `tabular` (a paper's `\\input`) under a `% comment` line, rendered
+    and escaped by pandas' Styler: mean [95% CI] to 3 decimals with the markdown's marks; an
+    unranked cell says why in a footnote-sized line."""
+
+    def text(c: dict | None) -> str:
+        if c is None:
+            return "--"
+        return c["status"] if "status" in c else f"{c['mean']:.3f} [{c['ci_low']:.3f}, {c['ci_high']:.3f}]"
+
+    table = pd.DataFrame([[method, *(text(row.get(col)) for col in columns)] for method, row in rows.items()],
+                         columns=["Method", *columns])
+    styler = table.style.hide(axis="index").format(escape="latex").format_index(escape="latex", axis=1)
+    for i, row in enumerate(rows.values()):
+        for col in columns:
+            cell = row.get(col) or {}
+            marks = "".join(LATEX_MARKS.get(mark, "") for mark in cell.get("marks", ""))
+            wrap = (lambda v: r"{\footnotesize " + v + "}") if "status" in cell else (lambda v, m=marks: v + m)
+            styler.format(wrap, subset=pd.IndexSlice[[i], [col]], escape="latex")
+    body = styler.to_latex(hrules=True, column_format="l" + "c" * len(columns))
+    return f"% {comment}\n{body}"
+
+
 # ----------------------------------------------------------------------------- figures
 def _pyplot():
     import matplotlib
@@ -753,9 +804,10 @@ FIGURES = (  # file name, builder, caption
 def write_report(client, experiment: str, report_dir: Path, figure_dir: Path,
                  only: dict[tuple[str, int], str | None] | None = None, tuning: dict | None = None,
                  downstream: dict[str, str] | None = None) -> list[MethodResult]:
-    """`report_dir/<experiment>.md` and its PNGs in `figure_dir`, after removing what a killed
-    writer left of their temporaries (call as their one writer); returns the ranking."""
-    remove_stale_temporaries(report_dir / f"{experiment}.md",
+    """`report_dir/<experiment>.md`, its ranked table for a paper as `.tex` and `.csv`, and its PNGs
+    in `figure_dir`, after removing what a killed writer left of their temporaries (call as their
+    one writer); returns the ranking."""
+    remove_stale_temporaries(*(report_dir / f"{experiment}.{suffix}" for suffix in ("md", "tex", "csv")),
                              *(figure_dir / f"{experiment}-{name}.png" for name, _, _ in FIGURES))
     newest = collect(client, experiment, only)
     metric = primary_metric(newest)
@@ -768,4 +820,10 @@ def write_report(client, experiment: str, report_dir: Path, figure_dir: Path,
             _save(fig, png)
             figures[caption] = Path(os.path.relpath(png, report_dir)).as_posix()
     atomic_write_text(report_dir / f"{experiment}.md", markdown(experiment, metric, results, figures, tuning, downstream))
+    chosen = winner_on_validation(results)
+    rows = {r.method: {experiment: cell(r, metric, r is chosen)} for r in results}
+    write_csv(report_dir / f"{experiment}.csv", csv_rows(rows, [experiment]))
+    atomic_write_text(report_dir / f"{experiment}.tex",
+                      latex(rows, [experiment], f"{experiment}: written by `python -m flows.compare` (its .md says how "
+                                                "to read it)"))
     return results

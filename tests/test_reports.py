@@ -114,6 +114,11 @@ def test_both_reports_count_the_same_runs_with_cis_marks_and_diverged_runs(tmp_p
     for name in ("curves", "compute", "clients"):
         png = tmp_path / "figures" / f"{experiment}-{name}.png"
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"](../figures/{png.name})" in report
+    # the ranked table for a paper: every number unrounded in the CSV, marks in the LaTeX
+    paper = (tmp_path / "reports" / f"{experiment}.csv").read_text().splitlines()
+    assert paper[1].startswith(f"a,{experiment},acc,{a.personalized[0]!r},") and "diverged at round 7" in paper[-1]
+    tex = (tmp_path / "reports" / f"{experiment}.tex").read_text()
+    assert f"b & {b.personalized[0]:.3f} [{b.personalized[1]:.3f}, {b.personalized[2]:.3f}]$^{{\\approx}}$$^{{\\checkmark}}$" in tex
 
     rows = build_table(client, params, params.tables["t"], tmp_path)  # no DVC metrics there: the newest runs
     assert sorted(rows) == ["a", "b", "c", "d"]
@@ -411,19 +416,20 @@ def test_a_per_method_sweep_names_each_methods_best_point_on_validation_over_eve
 def test_a_table_exports_to_latex_and_csv_with_its_marks_and_unranked_reasons():
     """The paper forms of a table: a booktabs tabular (marks as superscripts, names escaped, an
     unranked cell's reason), and a CSV row per cell with every number unrounded."""
-    from flows.tables import csv_rows, latex
+    from pfl_tasks.reports import csv_rows, latex
 
     best = {"metric": "acc", "mean": 0.91234, "ci_low": 0.9, "ci_high": 0.925, "seeds": 3, "weighted": 0.9,
             "not_worse_than_best": True, "global_only": False, "best_on_validation": True, "marks": "≈✓"}
     rows = {"fed_avg": {"mnist": {**best, "marks": "†", "best_on_validation": False, "global_only": True}},
             "ditto": {"mnist": best, "cifar": {"metric": "acc", "status": "diverged at round 3 (seed 0)"}}}
-    assert latex("t", rows, ["mnist", "cifar"]).splitlines() == [
+    comment = "t: written by `python -m flows.tables` (reports/markdown/t.md says how to read it)"
+    assert latex(rows, ["mnist", "cifar"], comment).splitlines() == [
         "% t: written by `python -m flows.tables` (reports/markdown/t.md says how to read it)",
         r"\begin{tabular}{lcc}", r"\toprule", r"Method & mnist & cifar \\", r"\midrule",
         r"fed\_avg & 0.912 [0.900, 0.925]$^{\dagger}$ & -- \\",
         r"ditto & 0.912 [0.900, 0.925]$^{\approx}$$^{\checkmark}$ & {\footnotesize diverged at round 3 (seed 0)} \\",
         r"\bottomrule", r"\end{tabular}"]
-    odd = latex("t", {"lr~1e^-2\\x": {"50%_#": {**best, "marks": ""}}}, ["50%_#"])  # pandas escapes them all
+    odd = latex({"lr~1e^-2\\x": {"50%_#": {**best, "marks": ""}}}, ["50%_#"], comment)  # pandas escapes them all
     assert r"lr\textasciitilde 1e\textasciicircum -2\textbackslash x & 0.912" in odd and r"50\%\_\#" in odd
     csv = csv_rows(rows, ["mnist", "cifar"])
     assert [(r["method"], r["experiment"], r["mean"], r["status"]) for r in csv] == [
