@@ -6,6 +6,7 @@ nosuch`); the stage's own checks of its inputs follow the imports."""
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 from pfl_tasks.config import load_params
@@ -13,12 +14,10 @@ from pfl_tasks.errors import ConfigError
 
 
 def params_path(argv: list[str]) -> str:
-    for i, arg in enumerate(argv):
-        if arg.startswith("--params="):
-            return arg.split("=", 1)[1]
-        if arg == "--params" and i + 1 < len(argv):
-            return argv[i + 1]
-    return "params.yaml"
+    """`--params` as the stage's own parser reads it (`--params X`, `--params=X`)."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--params", default="params.yaml")
+    return parser.parse_known_args(argv)[0].params
 
 
 def check_params_first(stage: str, argv: list[str] | None = None) -> None:

@@ -28,10 +28,9 @@ from flows.stage import stage_main
 from pfl_tasks.config import Params, TableConfig, load_params
 from pfl_tasks.errors import ConfigError
 from pfl_tasks.files import atomic_write_text
-from pfl_tasks.outputs import write_csv
 from pfl_tasks.reports import (
-    cell, collect, configured_runs, csv_rows, interval, latex, primary_metric, protocol_lines, results_store,
-    summarize, winner_on_validation,
+    cell, collect, configured_runs, interval, primary_metric, protocol_lines, results_store, summarize,
+    winner_on_validation, write_paper_table,
 )
 from pfl_tasks.tracking import MlflowRun, tracking_uri
 
@@ -102,9 +101,8 @@ def write_tables(params_path: str = "params.yaml", root: str = ".") -> list[Path
         text, blob = markdown(name, rows, params.tables[name].experiments), json.dumps(rows, indent=1, sort_keys=True)
         md, columns = root / REPORTS / "markdown" / f"{name}.md", params.tables[name].experiments
         atomic_write_text(md, text)
-        write_csv(md.with_suffix(".csv"), csv_rows(rows, columns))
-        atomic_write_text(md.with_suffix(".tex"), latex(rows, columns, f"{name}: written by `python -m flows.tables` "
-                                                              f"(reports/markdown/{name}.md says how to read it)"))
+        write_paper_table(md.parent / name, rows, columns,
+                          f"{name}: written by `python -m flows.tables` (reports/markdown/{name}.md says how to read it)")
         write_dvc_table(root / REPORTS / "tables" / name, rows)
         with MlflowRun(params.tracking.mlflow_uri, "tables", name, None, params.tracking.retry_seconds) as tracker, \
                 tempfile.TemporaryDirectory() as tmp:

@@ -656,6 +656,12 @@ def latex(rows: dict[str, dict[str, dict]], columns: list[str], comment: str) ->
     return f"% {comment}\n{body}"
 
 
+def write_paper_table(stem: Path, rows: dict[str, dict[str, dict]], columns: list[str], comment: str) -> None:
+    """`stem`.csv (`csv_rows`) and `stem`.tex (`latex`): a table's forms for a paper."""
+    write_csv(stem.parent / f"{stem.name}.csv", csv_rows(rows, columns))
+    atomic_write_text(stem.parent / f"{stem.name}.tex", latex(rows, columns, comment))
+
+
 # ----------------------------------------------------------------------------- figures
 def _pyplot():
     import matplotlib
@@ -821,9 +827,6 @@ def write_report(client, experiment: str, report_dir: Path, figure_dir: Path,
             figures[caption] = Path(os.path.relpath(png, report_dir)).as_posix()
     atomic_write_text(report_dir / f"{experiment}.md", markdown(experiment, metric, results, figures, tuning, downstream))
     chosen = winner_on_validation(results)
-    rows = {r.method: {experiment: cell(r, metric, r is chosen)} for r in results}
-    write_csv(report_dir / f"{experiment}.csv", csv_rows(rows, [experiment]))
-    atomic_write_text(report_dir / f"{experiment}.tex",
-                      latex(rows, [experiment], f"{experiment}: written by `python -m flows.compare` (its .md says how "
-                                                "to read it)"))
+    write_paper_table(report_dir / experiment, {r.method: {experiment: cell(r, metric, r is chosen)} for r in results},
+                      [experiment], f"{experiment}: written by `python -m flows.compare` (its .md says how to read it)")
     return results
