@@ -16,6 +16,7 @@ from pfl_tasks.data import FederatedData
 from pfl_tasks.engine.federation import Facts
 from pfl_tasks.engine.federation import Federation
 from pfl_tasks.engine.steps import InlineSteps, run_round
+from pfl_tasks.algorithms.lp_proj import PROJECTION
 from pfl_tasks.engine.streams import run_seed
 
 LEAST_SQUARES = {
@@ -273,7 +274,7 @@ def test_lp_proj_reaches_the_minimizer_of_its_envelopes_and_sends_only_p_floats(
     x_k(w) = (A_k + lam P^T P)^-1 (A_k c_k + lam P^T w), and sum_k (w - P x_k(w)) = 0 at w*."""
     lam, dim = 2.0, 2
     xs, ys, fed, state = lsq_federation("lp_proj", {"lam": lam, "dim": dim, "lr": 0.3}, steps=10, rounds=60)
-    proj = projection(run_seed(fed.exp.seed, "lp_proj/projection"), dim, 3).double()
+    proj = projection(run_seed(fed.exp.seed, PROJECTION), dim, 3).double()
     torch.testing.assert_close(proj.norm(dim=1), torch.ones(dim, dtype=torch.float64))
     hess = [2 * x.double().T @ x.double() / len(x) for x in xs]
     opt = [pooled_least_squares([x], [y]) for x, y in zip(xs, ys)]
@@ -294,7 +295,7 @@ def test_lp_proj_one_round_by_hand():
     and the server averages the w_k."""
     lam, dim, lr, eta = 2.0, 2, 0.3, 0.05
     xs, ys, fed, state = lsq_federation("lp_proj", {"lam": lam, "dim": dim, "lr": lr}, steps=2, lr=eta, rounds=1)
-    proj = projection(run_seed(fed.exp.seed, "lp_proj/projection"), dim, 3).double()
+    proj = projection(run_seed(fed.exp.seed, PROJECTION), dim, 3).double()
     start = fed.initial_state().clients["personal"]["1.weight"][0, 0].double()
     sent = []
     for k, (x, y) in enumerate(zip(xs, ys)):

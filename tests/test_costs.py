@@ -27,6 +27,7 @@ from pfl_tasks.config import parse_params
 from pfl_tasks.data import FederatedData
 from pfl_tasks.engine.federation import Federation, RunState
 from pfl_tasks.engine.steps import InlineSteps, run_round
+from pfl_tasks.algorithms.l2sgd import COMMUNICATE
 from pfl_tasks.engine.streams import round_generator
 
 COUNTS = (5, 9, 12, 20)  # training samples per client
@@ -186,7 +187,7 @@ def test_only_sampled_clients_train_and_every_client_is_fine_tuned(executor):
 def coin_round(communicates: bool, p: float = 0.5) -> int:
     """The first round whose shared coin (`l2sgd/communicate`) averages, or takes a local step."""
     return next(r for r in range(100)
-                if (round_generator(SEED, r, "l2sgd/communicate").random() < p) == communicates)
+                if (round_generator(SEED, r, COMMUNICATE).random() < p) == communicates)
 
 
 def pending(value: float) -> Callable[[RunState], None]:

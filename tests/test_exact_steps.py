@@ -17,7 +17,9 @@ from pfl_tasks.engine.executor import batch_schedule
 from pfl_tasks.engine.federation import Federation, RunState
 from pfl_tasks.engine.state import gather
 from pfl_tasks.engine.steps import InlineSteps, run_round
-from pfl_tasks.engine.streams import STREAMS, round_generator
+from pfl_tasks.algorithms.fedrep import HEAD as HEAD_STREAM
+from pfl_tasks.algorithms.l2sgd import COMMUNICATE
+from pfl_tasks.engine.streams import LOCAL, round_generator
 
 EXECUTORS = ["vectorized", "sequential"]
 TOL = dict(rtol=1e-5, atol=1e-6)
@@ -52,7 +54,7 @@ L2 = {"lam": 2.0, "p": 0.3, "lr": 0.2}  # lam != 1, p != 1/2 and K = 4: each fac
 
 def l2sgd_coins(seed, p, n):
     """Whether each round averages, as the module's declared stream draws it."""
-    return [bool(round_generator(seed, r, "l2sgd/communicate").random() < p) for r in range(n)]
+    return [bool(round_generator(seed, r, COMMUNICATE).random() < p) for r in range(n)]
 
 
 def l2sgd_federation(hp=L2, seed=0, executor="vectorized"):
@@ -219,7 +221,7 @@ def sgd(p, batches, keys, lr):
 def batches_of(fed, xs, ys, local, stream, round_idx):
     """Each client's minibatches as the engine's schedule draws them for `stream`."""
     counts = torch.tensor(SIZES)
-    sched = batch_schedule(counts, torch.arange(len(SIZES)), local, fed.exp.seed, round_idx, STREAMS[stream])
+    sched = batch_schedule(counts, torch.arange(len(SIZES)), local, fed.exp.seed, round_idx, stream.number)
     out = []
     for k in range(len(SIZES)):
         steps = int(sched.active[k].sum())
@@ -264,8 +266,8 @@ def test_split_methods_two_rounds_by_hand(algorithm, batch_size, executor):
     head_local = LocalConfig(steps=None, epochs=head_epochs, batch_size=batch_size, optimizer=OptimizerConfig(lr=lr))
 
     for r in range(2):
-        body_batches = batches_of(fed, xs, ys, fed.exp.local, "local", r)
-        head_batches = batches_of(fed, xs, ys, head_local, "fedrep/head", r)
+        body_batches = batches_of(fed, xs, ys, fed.exp.local, LOCAL, r)
+        head_batches = batches_of(fed, xs, ys, head_local, HEAD_STREAM, r)
         trained = []
         for k in range(len(SIZES)):
             p = {**body, **heads[k]}

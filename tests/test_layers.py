@@ -6,6 +6,8 @@ from pathlib import Path
 
 import pytest
 
+import pfl_tasks.algorithms  # noqa: F401  (registers every algorithm)
+from pfl_tasks.algorithms.registry import ALGORITHMS
 from pfl_tasks.engine.executor import LocalTrainer
 from pfl_tasks.imports import ROOT
 
@@ -121,11 +123,33 @@ def test_algorithms_use_only_the_trainers_public_surface():
     assert "fit" in trainer_attributes(ROOT / "pfl_tasks/algorithms/ditto.py")  # the check reads them
 
 
+def declared_streams() -> dict[str, int]:
+    """Every stream's number by name: the engine's, and those the registered algorithms declare."""
+    from pfl_tasks.engine import streams
+
+    engine = [key for key in vars(streams).values() if isinstance(key, streams.StreamKey)]
+    keys = engine + [key for cls in ALGORITHMS.values() for key in cls.streams]
+    assert len({key.name for key in keys}) == len(set(keys)), "one name, two numbers"
+    return {key.name: key.number for key in keys}
+
+
 def test_the_named_streams_are_the_numbers_the_draws_always_used():
     """Naming the streams changed no draw: each name is the literal its draws used before
     (Ditto's and FedRep's second fit 1, FedCR's noise 7, ...). A new stream takes a new name."""
-    from pfl_tasks.engine.streams import STREAMS
+    assert declared_streams() == {"local": 0, "ditto/personal": 1, "fedrep/head": 1, "lp_proj/local": 0,
+                                  "evaluation": 0xE7A1, "federation/sample": 0x5A3, "federation/dropout": 0xD209,
+                                  "fedcr/noise": 7, "fedcr/encoder": 0xFEDC, "l2sgd/communicate": 0x125,
+                                  "lp_proj/projection": 0x9A0}
 
-    assert STREAMS == {"local": 0, "ditto/personal": 1, "fedrep/head": 1, "lp_proj/local": 0, "evaluation": 0xE7A1,
-                       "federation/sample": 0x5A3, "federation/dropout": 0xD209, "fedcr/noise": 7,
-                       "fedcr/encoder": 0xFEDC, "l2sgd/communicate": 0x125, "lp_proj/projection": 0x9A0}
+
+def test_the_engine_names_no_algorithm():
+    """A new method is a module of its own, never an engine edit: no file of `engine/` names a
+    registered algorithm, in code, strings or comments ("local" is also the word for local work)."""
+    import re
+
+    names = ({cls.name for cls in ALGORITHMS.values()} | {cls.__name__ for cls in ALGORITHMS.values()}
+             | {"learn2pfed", "kNN-Per", "Local-only"}) - {"local"}
+    pattern = re.compile(r"\b(" + "|".join(sorted(map(re.escape, names))) + r")\b", re.IGNORECASE)
+    found = {f"{path.name}:{n}": m.group(0) for path in sorted((ROOT / "pfl_tasks/engine").glob("*.py"))
+             for n, line in enumerate(path.read_text().splitlines(), 1) for m in pattern.finditer(line)}
+    assert len(names) > 30 and found == {}

@@ -200,9 +200,10 @@ def test_apfl_adaptive_alpha_follows_its_gradient_formula():
 
 # ----------------------------------------------------------------------------- L2SGD
 def l2sgd_rounds(seed=0, p=0.5, n=40):
+    from pfl_tasks.algorithms.l2sgd import COMMUNICATE
     from pfl_tasks.engine.streams import round_generator
 
-    return [round_generator(seed, r, "l2sgd/communicate").random() < p for r in range(n)]
+    return [round_generator(seed, r, COMMUNICATE).random() < p for r in range(n)]
 
 
 def test_l2sgd_expected_step_is_exactly_a_gradient_step_on_its_objective():

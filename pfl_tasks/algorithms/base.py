@@ -38,6 +38,7 @@ from torch.func import functional_call
 from pfl_tasks.engine.executor import LocalTrainer, penalized
 from pfl_tasks.engine.federation import Facts
 from pfl_tasks.engine.state import Params, Tree, replicate
+from pfl_tasks.engine.streams import StreamKey
 
 ValLoss = Callable[[Tree, bool, Callable], torch.Tensor]
 
@@ -80,6 +81,8 @@ class Algorithm(ABC):
     full_participation: ClassVar[bool] = False
     # False: its steps ignore `local.optimizer.lr` (tuning leaves it alone)
     uses_local_lr: ClassVar[bool] = True
+    # its own random streams, beside the engine's (`pfl_tasks.engine.streams`)
+    streams: ClassVar[tuple[StreamKey, ...]] = ()
 
     def __init__(self, hp: HyperParams):
         self.hp = hp
@@ -113,7 +116,7 @@ class Algorithm(ABC):
 
     def personalize(self, trainer: LocalTrainer, server: Tree, state: Tree, val_loss: ValLoss) -> tuple[Tree, bool]:
         """What a chunk is evaluated with, as `personalized`; `trainer` holds the chunk's training
-        data, for local work at evaluation time (its fits draw from `trainer.rng("evaluation", ...)`), and
+        data, for local work at evaluation time (its fits draw from `trainer.rng(EVALUATION, ...)`), and
         `val_loss(params, stacked, forward)` scores a candidate on each client's validation
         split [K], for what is selected at evaluation time (never the test split)."""
         return self.personalized(server, state)

@@ -18,6 +18,9 @@ from pfl_tasks.algorithms.base import PersonalModels, proximal
 from pfl_tasks.algorithms.fedavg import FedAvg, FedAvgHyper
 from pfl_tasks.algorithms.registry import register
 from pfl_tasks.engine.state import broadcast
+from pfl_tasks.engine.streams import StreamKey
+
+PERSONAL = StreamKey("ditto/personal", 1)  # the personal model's fit, after the global one
 
 
 class DittoHyper(FedAvgHyper):
@@ -27,11 +30,12 @@ class DittoHyper(FedAvgHyper):
 @register
 class Ditto(PersonalModels, FedAvg):
     name = "ditto"
+    streams = (PERSONAL,)
     citation = "Li et al., ICML 2021"
     Hyper = DittoHyper
 
     def client_update(self, trainer, payload, state):
         start = broadcast(payload["global"], trainer.n_clients)
         global_k = trainer.fit(start)
-        personal = trainer.fit(state["personal"], proximal(self.hp.mu), aux=start, stream=trainer.rng("ditto/personal"))
+        personal = trainer.fit(state["personal"], proximal(self.hp.mu), aux=start, stream=trainer.rng(PERSONAL))
         return {"params": global_k}, {"personal": personal}

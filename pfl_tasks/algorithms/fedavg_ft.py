@@ -27,6 +27,7 @@ from pfl_tasks.algorithms.fedavg import FedAvg, FedAvgHyper
 from pfl_tasks.algorithms.fedprox import FedProx, FedProxHyper
 from pfl_tasks.algorithms.registry import register
 from pfl_tasks.engine.state import broadcast, per_row
+from pfl_tasks.engine.streams import EVALUATION
 
 
 class FineTuneHyper(HyperParams):
@@ -49,7 +50,7 @@ class FineTune:
         model = broadcast(server["global"], trainer.n_clients)
         best, best_loss = model, val_loss(model, True, self.forward)
         for s in range(hp.ft_epochs):
-            model = trainer.fit(model, stream=trainer.rng("evaluation", s), local=stage)
+            model = trainer.fit(model, stream=trainer.rng(EVALUATION, s), local=stage)
             loss = val_loss(model, True, self.forward)
             better = loss < best_loss
             best = {k: torch.where(per_row(better.to(v.device), v), v, best[k]) for k, v in model.items()}

@@ -39,8 +39,11 @@ from pfl_tasks.algorithms.base import Algorithm, HyperParams
 from pfl_tasks.algorithms.registry import register
 from pfl_tasks.engine import optim
 from pfl_tasks.engine.state import broadcast, replicate
-from pfl_tasks.engine.streams import run_seed
+from pfl_tasks.engine.streams import StreamKey, run_seed
 from pfl_tasks.nets import head_keys
+
+NOISE = StreamKey("fedcr/noise", 7)  # per client and round: the reparameterization noise
+ENCODER = StreamKey("fedcr/encoder", 0xFEDC)  # per run: the encoder's initialization
 
 ENCODER_KEYS = ("encoder.weight", "encoder.bias")
 SIGMA_SHIFT = 5.0  # sigma = softplus(s - 5): the VIB code's small initial noise (module doc)
@@ -68,7 +71,7 @@ def product_of_experts(precisions, precision_means, present):
 def encoder_init(width: int, seed: int) -> dict[str, torch.Tensor]:
     """`nn.Linear(width, 2 width)`'s default initialization, from a stream of the run's seed of
     its own (the net's layers draw from the seed itself)."""
-    gen = torch.Generator().manual_seed(run_seed(seed, "fedcr/encoder"))
+    gen = torch.Generator().manual_seed(run_seed(seed, ENCODER))
     bound = 1 / math.sqrt(width)
     return {"encoder.weight": (torch.rand(2 * width, width, generator=gen) * 2 - 1) * bound,
             "encoder.bias": (torch.rand(2 * width, generator=gen) * 2 - 1) * bound}
@@ -88,6 +91,7 @@ def read_head(params, names: set[str], z: torch.Tensor) -> torch.Tensor:
 @register
 class FedCR(Algorithm):
     name = "fedcr"
+    streams = (NOISE, ENCODER)
     citation = "Zhang et al., ICML 2023"
     Hyper = FedCRHyper
 
@@ -133,7 +137,7 @@ class FedCR(Algorithm):
 
         def noise(steps, batch):
             return {"eps": torch.stack([torch.randn(steps, batch, samples, width, generator=generator)
-                                        for generator in trainer.rng("fedcr/noise").client_generators()]).to(device)}
+                                        for generator in trainer.rng(NOISE).client_generators()]).to(device)}
 
         def objective(params, batch_):
             mu, var = self.features(net, params, batch_.x, names)

@@ -14,7 +14,10 @@ from pydantic import Field
 from pfl_tasks.algorithms.fedavg import FedAvgHyper
 from pfl_tasks.algorithms.fedper import FedPer
 from pfl_tasks.algorithms.registry import register
+from pfl_tasks.engine.streams import StreamKey
 from pfl_tasks.nets import head_keys
+
+HEAD = StreamKey("fedrep/head", 1)  # the head's epochs, before the body's
 
 
 class FedRepHyper(FedAvgHyper):
@@ -24,11 +27,12 @@ class FedRepHyper(FedAvgHyper):
 @register
 class FedRep(FedPer):
     name = "fedrep"
+    streams = (HEAD,)
     citation = "Collins et al., ICML 2021"
     Hyper = FedRepHyper
 
     def local_train(self, trainer, params):
         head = head_keys(params)
         head_budget = trainer.local.model_copy(update={"epochs": self.hp.head_epochs, "steps": None})
-        params = trainer.fit(params, trainable=head, local=head_budget, stream=trainer.rng("fedrep/head"))
+        params = trainer.fit(params, trainable=head, local=head_budget, stream=trainer.rng(HEAD))
         return trainer.fit(params, trainable=set(params) - head)

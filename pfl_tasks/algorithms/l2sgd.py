@@ -22,6 +22,9 @@ from pfl_tasks.algorithms.base import Algorithm, HyperParams
 from pfl_tasks.algorithms.registry import register
 from pfl_tasks.config import OptimizerConfig
 from pfl_tasks.engine.state import replicate
+from pfl_tasks.engine.streams import StreamKey
+
+COMMUNICATE = StreamKey("l2sgd/communicate", 0x125)  # per round: whether the round averages
 
 
 class L2SGDHyper(HyperParams):
@@ -33,6 +36,7 @@ class L2SGDHyper(HyperParams):
 @register
 class L2SGD(Algorithm):
     name = "l2sgd"
+    streams = (COMMUNICATE,)
     citation = "Hanzely & Richtarik, arXiv:2002.05516"
     Hyper = L2SGDHyper
     full_participation = True
@@ -57,7 +61,7 @@ class L2SGD(Algorithm):
         n_clients = int(state["n_clients"][0])
         params = state["params"] if "mean" not in payload else self.averaging_step(state["params"], payload["mean"],
                                                                                    n_clients)
-        if trainer.rng("l2sgd/communicate").uniform() < self.hp.p:  # this round averages
+        if trainer.rng(COMMUNICATE).uniform() < self.hp.p:  # this round averages
             return {"params": params}, {**state, "params": params}
         step = self.hp.lr / (n_clients * (1 - self.hp.p))
         one_step = trainer.local.model_copy(

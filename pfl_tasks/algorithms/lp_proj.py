@@ -33,6 +33,10 @@ from pydantic import Field
 from pfl_tasks.algorithms.base import Algorithm, HyperParams, PersonalModels
 from pfl_tasks.algorithms.registry import register
 from pfl_tasks.engine.executor import penalized
+from pfl_tasks.engine.streams import StreamKey
+
+LOCAL_ROUND = StreamKey("lp_proj/local", 0)  # local round r: this number + r
+PROJECTION = StreamKey("lp_proj/projection", 0x9A0)  # per run: the projection every party shares
 
 class LpProjHyper(HyperParams):
     lam: Annotated[float, Field(gt=0)] = 1.0
@@ -77,6 +81,7 @@ def coupled(lam: float, proj: torch.Tensor):
 @register
 class LpProj(PersonalModels, Algorithm):
     name = "lp_proj"
+    streams = (LOCAL_ROUND, PROJECTION)
     citation = "Lin et al., NeurIPS 2022"
     Hyper = LpProjHyper
 
@@ -93,10 +98,10 @@ class LpProj(PersonalModels, Algorithm):
     def client_update(self, trainer, payload, state):
         hp, personal = self.hp, state["personal"]
         size = sum(v[0].numel() for v in personal.values())
-        proj = projection(trainer.rng("lp_proj/projection").run_seed(), hp.dim, size, payload["w"].device)
+        proj = projection(trainer.rng(PROJECTION).run_seed(), hp.dim, size, payload["w"].device)
         w = payload["w"].expand(trainer.n_clients, hp.dim)
         for r in range(hp.local_rounds):
-            personal = trainer.fit(personal, coupled(hp.lam, proj), aux={"w": w}, stream=trainer.rng("lp_proj/local", r))
+            personal = trainer.fit(personal, coupled(hp.lam, proj), aux={"w": w}, stream=trainer.rng(LOCAL_ROUND, r))
             w = w - hp.lr * hp.lam * (w - flatten(personal, 1) @ proj.T)
         return {"w": w}, {"personal": personal}
 

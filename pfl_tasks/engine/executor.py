@@ -27,7 +27,7 @@ from pfl_tasks.config import LocalConfig
 from pfl_tasks.data import ClientSplit
 from pfl_tasks.engine import optim
 from pfl_tasks.engine.state import Params, Stack, Tree, to_device, tree_map, tree_zip
-from pfl_tasks.engine.streams import STREAMS, Stream
+from pfl_tasks.engine.streams import LOCAL, Stream, StreamKey
 from pfl_tasks.nets import frozen_prefix, stackable, stacked_backward, stacked_forward
 
 DataLoss = Callable[[Params], torch.Tensor]
@@ -163,7 +163,7 @@ class LocalTrainer(ABC):
 
     What an algorithm may use: `net` (a storage-free module for `functional_call`), `task`,
     `local` (the local budget and optimizer), `device`, `n_clients` (the chunk's), `fit` and
-    `scan`, the chunk's training `samples()`, and its named random streams (`rng`). Its
+    `scan`, the chunk's training `samples()`, and its random streams (`rng`). Its
     samples stay on the device and their offsets and counts on the host: the schedule is built
     on the host and uploaded once per fit, so no step waits on the device."""
 
@@ -184,10 +184,11 @@ class LocalTrainer(ABC):
     def n_clients(self) -> int:
         return len(self._client_ids)
 
-    def rng(self, name: str, index: int = 0) -> Stream:
-        """This round's random stream `name` (`pfl_tasks.engine.streams.STREAMS`), the `index`-th
-        of its family: `fit(..., stream=trainer.rng("ditto/personal"))`, or an algorithm's own draws."""
-        return Stream(name, STREAMS[name] + index, self._seed, self._round_idx, self._client_ids)
+    def rng(self, key: StreamKey, index: int = 0) -> Stream:
+        """This round's random stream `key` (`pfl_tasks.engine.streams`), the `index`-th of its
+        family: the minibatches of a second fit (`fit(..., stream=trainer.rng(SECOND))`), or an
+        algorithm's own draws."""
+        return Stream(key.name, key.number + index, self._seed, self._round_idx, self._client_ids)
 
     def samples(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Every training sample of the chunk's clients, padded to the largest client, on the
@@ -199,7 +200,7 @@ class LocalTrainer(ABC):
         return take(self._train.x, up["rows"]), take(self._train.y, up["rows"]), up["mask"]
 
     def schedule(self, stream: Stream | None, local: LocalConfig) -> Schedule:
-        number = (stream or self.rng("local")).number
+        number = (stream or self.rng(LOCAL)).number
         return batch_schedule(self._counts, self._client_ids, local, self._seed, self._round_idx, number)
 
     def _rows(self, sched: Schedule) -> torch.Tensor:
@@ -212,7 +213,7 @@ class LocalTrainer(ABC):
         stream: Stream | None = None, trainable: set[str] | None = None, local: LocalConfig | None = None,
     ) -> Stack:
         """Run the local budget on `params` [K, ...]; returns the trained stack.
-        Only keys in `trainable` (default: all) are optimized; `stream` (default: `rng("local")`)
+        Only keys in `trainable` (default: all) are optimized; `stream` (default: `rng(LOCAL)`)
         separates the minibatch draws of several fits in one round; `local` overrides steps/optimizer."""
 
     @abstractmethod

@@ -23,7 +23,7 @@ from pfl_tasks.engine.device import configure, platform, resolve_device
 from pfl_tasks.engine.evaluate import evaluate_clients
 from pfl_tasks.engine.executor import make_trainer
 from pfl_tasks.engine.state import Tree, concat, gather, leaves, scatter_, to_device, to_host, tree_bytes, tree_map
-from pfl_tasks.engine.streams import round_generator
+from pfl_tasks.engine.streams import DROPOUT, SAMPLE, round_generator
 from pfl_tasks.errors import CheckpointError, ConfigError
 from pfl_tasks.nets import build_net, init_params
 
@@ -177,10 +177,10 @@ class Federation:
         (seed, round) alone: who drops does not depend on who else was sampled. A dropped client
         is as if unsampled: its local work is lost and its state stays as it was."""
         fed = self.exp.federation
-        rng = round_generator(self.exp.seed, round_idx, "federation/sample")
+        rng = round_generator(self.exp.seed, round_idx, SAMPLE)
         ids = np.sort(rng.choice(self.n_clients, self.per_round, replace=False))
         if fed.dropout:
-            drops = round_generator(self.exp.seed, round_idx, "federation/dropout").random(self.n_clients) < fed.dropout
+            drops = round_generator(self.exp.seed, round_idx, DROPOUT).random(self.n_clients) < fed.dropout
             ids = ids[~drops[ids]]
         return torch.as_tensor(ids)
 
@@ -226,7 +226,7 @@ class Federation:
             for split, parts in out.items():
                 personal = self._eval(split, ids, params, stacked, self.algorithm.forward)
                 parts["personalized"].append(personal)
-                if shared is not None:  # no personalization (e.g. FedAvg): the same numbers
+                if shared is not None:  # no personalization: the same numbers
                     parts["global"].append(personal if params is view else
                                            self._eval(split, ids, shared, False, self.algorithm.forward_global))
         metrics = {split: {kind: concat(p) for kind, p in parts.items() if p} for split, parts in out.items()}
@@ -235,7 +235,7 @@ class Federation:
     def personalized_models(self, state: RunState, ids: torch.Tensor) -> tuple[Tree, bool, int]:
         """What clients `ids` are evaluated with, and the compute that took. Local work at
         evaluation time (fine-tuning, datastores) sees the chunk's training data through a
-        trainer of round `state.round`; what it selects (kNN-Per's lam) it selects on their
+        trainer of round `state.round`; what it selects (e.g. a mixing weight) it selects on their
         validation loss."""
         trainer = make_trainer(
             self.exp.engine.executor, self.fresh_net(), self.task, self.train, ids, self.exp.local,
