@@ -37,8 +37,9 @@ from torch.func import functional_call
 
 from pfl_tasks.engine.executor import LocalTrainer, penalized
 from pfl_tasks.engine.federation import Facts
-from pfl_tasks.engine.state import Params, Tree, replicate
+from pfl_tasks.engine.state import Params, Tree, broadcast, replicate
 from pfl_tasks.engine.streams import StreamKey
+from pfl_tasks.nets import head_keys
 
 ValLoss = Callable[[Tree, bool, Callable], torch.Tensor]
 
@@ -65,6 +66,45 @@ class PersonalModels:
 
     def personalized(self, server: Tree, state: Tree) -> tuple[Params, bool]:
         return state["personal"], True
+
+
+class SharedBody:
+    """Mixin: FedPer's split, also FedRep's and FedCR's. The server keeps a body, the net's
+    layers but the last; every client keeps a head, the last layer, which never leaves it."""
+
+    @staticmethod
+    def head_of(params) -> set[str]:
+        return head_keys(params)
+
+    def split(self, params: Params) -> tuple[Params, Params]:
+        """(body, head) in the parameters' order, never a set's (whose order changes with the
+        hash seed, and with it float sums over parameters such as a gradient's norm)."""
+        head = self.head_of(params)
+        return {k: v for k, v in params.items() if k not in head}, {k: v for k, v in params.items() if k in head}
+
+    def init_server(self, params: Params, facts: Facts) -> Tree:
+        return {"body": self.split(params)[0]}
+
+    def init_clients(self, params: Params, n_clients: int) -> Tree:
+        return {"head": replicate(self.split(params)[1], n_clients)}
+
+    @staticmethod
+    def joined(body: Params, state: Tree) -> Params:
+        """[the body, each client's own head], a stack [K, ...]."""
+        return {**broadcast(body, len(next(iter(state["head"].values())))), **state["head"]}
+
+    @staticmethod
+    def parted(trained: Params, state: Tree) -> tuple[Params, Tree]:
+        """(the trained body, which is sent; the client state with its trained head, which stays)."""
+        return ({k: v for k, v in trained.items() if k not in state["head"]},
+                {"head": {k: trained[k] for k in state["head"]}})
+
+    def personalized(self, server: Tree, state: Tree) -> tuple[Params, bool]:
+        return self.joined(server["body"], state), True
+
+    def global_model(self, server: Tree, clients: Tree) -> Params:
+        """Evaluation-only view: the body with the clients' mean head (heads never move)."""
+        return {**server["body"], **{k: v.mean(0) for k, v in clients["head"].items()}}
 
 
 class HyperParams(BaseModel):

@@ -35,10 +35,9 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch.func import functional_call, grad
 
-from pfl_tasks.algorithms.base import Algorithm, HyperParams
+from pfl_tasks.algorithms.base import Algorithm, HyperParams, SharedBody
 from pfl_tasks.algorithms.registry import register
 from pfl_tasks.engine import optim
-from pfl_tasks.engine.state import broadcast, replicate
 from pfl_tasks.engine.streams import StreamKey, run_seed
 from pfl_tasks.nets import head_keys
 
@@ -89,26 +88,18 @@ def read_head(params, names: set[str], z: torch.Tensor) -> torch.Tensor:
 
 
 @register
-class FedCR(Algorithm):
+class FedCR(SharedBody, Algorithm):
     name = "fedcr"
     streams = (NOISE, ENCODER)
     citation = "Zhang et al., ICML 2023"
     Hyper = FedCRHyper
-
-    def split(self, params):
-        head = head_names(params)
-        # in the parameters' order, never a set's (whose order changes with the hash seed, and
-        # with it the float sums over parameters, e.g. the clipped gradient's norm)
-        return {k: v for k, v in params.items() if k not in head}, {k: v for k, v in params.items() if k in head}
+    head_of = staticmethod(head_names)
 
     def init_server(self, params, facts):
         body, head = self.split(params)
         n_classes, width = next(v for k, v in head.items() if k.endswith("weight")).shape
         body.update(encoder_init(width, facts.seed))
         return {"body": body, "class_mean": torch.zeros(n_classes, width), "class_var": torch.ones(n_classes, width)}
-
-    def init_clients(self, params, n_clients):
-        return {"head": replicate(self.split(params)[1], n_clients)}
 
     def payload(self, server):
         return server
@@ -166,21 +157,21 @@ class FedCR(Algorithm):
             }
 
         zeros = torch.zeros(k, n_classes, width, device=device)
-        params = {**broadcast(payload["body"], k), **state["head"]}
+        params = self.joined(payload["body"], state)
         start = {
             "params": params, "opt": optim.start(cfg, params),
             "precision": zeros, "precision_mean": zeros.clone(), "count": torch.zeros(k, n_classes, device=device),
         }
         out = trainer.scan(start, step, per_step=noise)
         count = out["count"].clamp_min(1).unsqueeze(-1)
-        trained = out["params"]
+        body, state = self.parted(out["params"], state)
         message = {
-            "body": {n: v for n, v in trained.items() if n not in names},
+            "body": body,
             "precision": out["precision"] / count,  # local PoE precision per class
             "precision_mean": out["precision_mean"] / count,
             "present": (out["count"] > 0).to(torch.float32),
         }
-        return message, {"head": {n: v for n, v in trained.items() if n in names}}
+        return message, state
 
     def aggregate(self, server, messages, weights, ids):
         mean, var = product_of_experts(messages["precision"], messages["precision_mean"], messages["present"])
@@ -190,11 +181,3 @@ class FedCR(Algorithm):
             "class_mean": torch.where(seen.unsqueeze(-1), mean, server["class_mean"]),
             "class_var": torch.where(seen.unsqueeze(-1), var, server["class_var"]),
         }
-
-    def personalized(self, server, state):
-        k = len(next(iter(state["head"].values())))
-        return {**broadcast(server["body"], k), **state["head"]}, True
-
-    def global_model(self, server, clients):
-        """Evaluation-only view: the body with the clients' mean head (heads never move)."""
-        return {**server["body"], **{k: v.mean(0) for k, v in clients["head"].items()}}

@@ -15,7 +15,6 @@ from pfl_tasks.algorithms.fedavg import FedAvgHyper
 from pfl_tasks.algorithms.fedper import FedPer
 from pfl_tasks.algorithms.registry import register
 from pfl_tasks.engine.streams import StreamKey
-from pfl_tasks.nets import head_keys
 
 HEAD = StreamKey("fedrep/head", 1)  # the head's epochs, before the body's
 
@@ -32,7 +31,7 @@ class FedRep(FedPer):
     Hyper = FedRepHyper
 
     def local_train(self, trainer, params):
-        head = head_keys(params)
+        head = self.head_of(params)
         head_budget = trainer.local.model_copy(update={"epochs": self.hp.head_epochs, "steps": None})
         params = trainer.fit(params, trainable=head, local=head_budget, stream=trainer.rng(HEAD))
         return trainer.fit(params, trainable=set(params) - head)
