@@ -89,13 +89,14 @@ def test_a_run_whose_hyper_parameters_are_not_all_listed_is_refused_with_their_d
     by `dvc exp run -S` (it would ask for `+algorithms...`), and no stage would depend on it."""
     params = {
         "datasets": {"d": {"source": {"name": "digits"}}},
-        "experiments": {"e": {"dataset": "d", "model": {"kind": "linear"}, "algorithms": ["local", "ditto"]}},
-        "algorithms": {"local": {}, "ditto": {"mu": 1.0}},
+        "experiments": {"e": {"dataset": "d", "model": {"kind": "linear"}, "algorithms": ["local", "fedcr"]}},
+        "algorithms": {"local": {}, "fedcr": {"beta": 1e-4, "stochastic": True, "samples": 4}},
     }
     path = tmp_path / "params.yaml"
     path.write_text(yaml.safe_dump(params))
-    with pytest.raises(ConfigError, match=r"add their defaults: ditto: \{weighting: samples\}$"):
+    with pytest.raises(ConfigError, match=r"add their defaults: fedcr: \{clip_norm: 10.0\}$"):
         stages(str(path))
     path.write_text(yaml.safe_dump(listing_defaults(params)))
-    assert yaml.safe_load(path.read_text())["algorithms"]["ditto"] == {"mu": 1.0, "weighting": "samples"}
-    assert "algorithms.ditto" in stages(str(path))["stages"]["train-e"]["params"]
+    assert yaml.safe_load(path.read_text())["algorithms"]["fedcr"] == {"beta": 1e-4, "stochastic": True, "samples": 4,
+                                                                        "clip_norm": 10.0}
+    assert "algorithms.fedcr" in stages(str(path))["stages"]["train-e"]["params"]

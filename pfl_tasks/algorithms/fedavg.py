@@ -1,20 +1,22 @@
 """FedAvg: local SGD from the global model, server takes the sample-weighted average.
 
 McMahan et al., "Communication-Efficient Learning of Deep Networks from Decentralized Data",
-AISTATS 2017 (Algorithm 1: weights n_k / n).
+AISTATS 2017 (Algorithm 1: weights n_k / n). A server optimizer other than the plain average
+(`server_optimizer.py`) makes it FedAvgM, FedAdam, FedYogi or FedAdagrad.
 """
 
 from __future__ import annotations
 
 from typing import Literal
 
-from pfl_tasks.algorithms.base import Algorithm, HyperParams
+from pfl_tasks.algorithms.base import Algorithm
 from pfl_tasks.algorithms.registry import register
+from pfl_tasks.algorithms.server_optimizer import ServerOptimizerHyper, init_server_optimizer, server_step
 from pfl_tasks.engine.executor import data_objective
 from pfl_tasks.engine.state import broadcast, weighted_mean
 
 
-class FedAvgHyper(HyperParams):
+class FedAvgHyper(ServerOptimizerHyper):
     weighting: Literal["samples", "uniform"] = "samples"
 
 
@@ -23,6 +25,9 @@ class FedAvg(Algorithm):
     name = "fedavg"
     citation = "McMahan et al., AISTATS 2017"
     Hyper = FedAvgHyper
+
+    def init_server(self, params, facts):
+        return {"global": params, **init_server_optimizer(self.hp, params)}
 
     def objective(self):
         return data_objective
@@ -36,4 +41,4 @@ class FedAvg(Algorithm):
     def aggregate(self, server, messages, weights, ids):
         if self.hp.weighting == "uniform":
             weights = weights.new_ones(weights.shape)
-        return {**server, "global": weighted_mean(messages["params"], weights)}
+        return server_step(self.hp, server, "global", weighted_mean(messages["params"], weights))
