@@ -50,7 +50,7 @@ def compare(experiments: list[str] | None = None, params_path: str = "params.yam
             tuning = read_tuning(root, experiment) if experiment in params.tuning else None
             results = rankings[experiment] = write_report(client, experiment, root / REPORTS, root / FIGURES,
                                                           pinned[experiment], tuning,
-                                                          downstream_methods(params, experiment))
+                                                          downstream_methods(params, experiment), params.verdicts)
             ranked, flipped = sum(r.ranked for r in results), flips(results)
             print(f"{experiment}: {ranked} methods ranked; client mean: {best_line(results)}; sample-weighted: "
                   f"{best_line(results, weighted=True)}; verdict flips between them: "

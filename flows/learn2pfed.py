@@ -6,7 +6,8 @@ the upstream `train` checkpoint named by `features_from`, whose head also starts
 `meta-epochs-A-B` tasks of `meta.checkpoint_every` outer steps, each followed by a checkpoint,
 each step scoring the Theta it starts from on the clients' validation rows (the held-out half
 under `val` supervision), then `evaluate`: the Theta selected on validation, and the last one,
-on every client's validation and test splits (`selected/...`, `final/...`, the plateau verdict).
+on every client's validation and test splits (`selected/...`, `final/...`; the reports judge the
+plateau on its validation curve).
 
     python -m flows.learn2pfed <experiment> [--on-config-change refuse|restart|resume]
 """
@@ -51,7 +52,7 @@ from pfl_tasks.nets import build_net, embed, head_keys, split_net
 from pfl_tasks.outputs import per_client_rows, write_csv
 from pfl_tasks.runs import Run, RunPaths
 from pfl_tasks.engine.evaluate import HIGHER_IS_BETTER
-from pfl_tasks.selection import PRIMARY, final_metrics, plateau, summarize_eval
+from pfl_tasks.selection import PRIMARY, final_metrics, summarize_eval
 from pfl_tasks.tracking import flatten, open_store, run_tags, tracking_uri
 from pfl_tasks.training import finished
 from pfl_tasks.tuning import tuned
@@ -288,8 +289,9 @@ def learn2pfed_flow(experiment: str, supervision: str, seed: int, params_path: s
         spent = costs(problems.train, problems.supervise, cfg)
         evaluations = [{"round": best.epoch, **summarize_eval(tables["selected"]), **spent},
                        {"round": epochs, **summarize_eval(tables["last"]), **spent}]
-        curve = [{"round": h["epoch"], key: h[key]} for h in history] + [{"round": epochs, key: evaluations[1][key]}]
-        final = {**final_metrics(evaluations, task_kind), **plateau(curve, task_kind)}
+        # the last Theta's score ends the validation curve (the history's epoch e scores the Theta
+        # that epoch starts from), on which the reports judge the plateau
+        final = {**final_metrics(evaluations, task_kind), key: evaluations[1][key]}
         final.update({"meta/loss_first": history[0]["meta/loss"], "meta/loss_last": history[-1]["meta/loss"],
                       "meta/fit_loss_last": history[-1]["meta/fit_loss"]})
         lam = participation(selected)

@@ -135,15 +135,16 @@ def stages(params_path: str = "params.yaml") -> dict:
         out[stage_name("learn2pfed", experiment)] = learn2pfed_stage(params, experiment)
     # every run's final metrics (the MLflow runs changed when these did) and the tuning choices
     reads = ["metrics", *(str(tuning_path(Path("."), e)) for e in params.tuning)]
+    verdicts = ["verdicts"] if "verdicts" in raw else []  # the rules the reports judge by (else the defaults)
     if params.tables:
         out["tables"] = {  # the comparison tables: methods x experiments, from MLflow as compare
             "cmd": "python -m flows.tables", "deps": reads + list(map(str, run_code(ROOT / "flows/tables.py"))),
-            "params": ["tables", "tracking", "experiments"], "metrics": [{"reports/tables": {"cache": False}}],
+            "params": ["tables", "tracking", "experiments", *verdicts], "metrics": [{"reports/tables": {"cache": False}}],
             "outs": [{"reports/markdown": {"cache": False}}],
         }
     out["compare"] = {  # per experiment, from MLflow: ranking over seeds, learning curves, per-client spread
         "cmd": "python -m flows.compare", "deps": reads + list(map(str, run_code(ROOT / "flows/compare.py"))),
-        "params": ["tracking", "experiments"], "outs": [{"reports/compare": {"cache": False}}],
+        "params": ["tracking", "experiments", *verdicts], "outs": [{"reports/compare": {"cache": False}}],
         "metrics": [{"reports/ranking.json": {"cache": False}}],  # each method's mean: for `dvc exp show`
         "plots": [{"reports/figures": {"cache": False}}],
     }

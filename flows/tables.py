@@ -25,14 +25,14 @@ from pathlib import Path
 
 import flows  # noqa: F401  (environment defaults)
 from flows.stage import stage_main
-from pfl_tasks.config import Params, TableConfig, load_params
+from pfl_tasks.config import Params, TableConfig, VerdictConfig, load_params
 from pfl_tasks.errors import ConfigError
 from pfl_tasks.files import atomic_write_text
 from pfl_tasks.reports import (
     cell, collect, configured_runs, interval, primary_metric, protocol_lines, results_store, summarize,
     winner_on_validation, write_paper_table,
 )
-from pfl_tasks.tracking import MlflowRun, tracking_uri
+from pfl_tasks.tracking import MlflowRun, flatten, tracking_uri
 
 REPORTS = Path("reports")
 
@@ -46,7 +46,7 @@ def build_table(client, params: Params, table: TableConfig, root: Path) -> dict[
     for experiment in table.experiments:
         newest = collect(client, experiment, configured_runs(params, experiment, root))
         metric = primary_metric(newest)
-        results = summarize(client, newest, metric)
+        results = summarize(client, newest, metric, params.verdicts)
         chosen = winner_on_validation(results)
         columns[experiment] = {r.method: cell(r, metric, r is chosen) for r in results}
     found = {m for column in columns.values() for m in column}
@@ -65,11 +65,11 @@ def _text(c: dict | None) -> str:
     return f"{interval((c['mean'], c['ci_low'], c['ci_high']))}{c['marks']}"
 
 
-def markdown(name: str, rows: dict[str, dict[str, dict]], columns: list[str]) -> str:
+def markdown(name: str, rows: dict[str, dict[str, dict]], columns: list[str], rule: VerdictConfig) -> str:
     lines = [
         f"# {name}",
         "",
-        *protocol_lines(),
+        *protocol_lines(rule),
         "",
         "| method | " + " | ".join(columns) + " |",
         "|---|" + "---|" * len(columns),
@@ -98,7 +98,8 @@ def write_tables(params_path: str = "params.yaml", root: str = ".") -> list[Path
     tables = {name: build_table(client, params, table, root) for name, table in params.tables.items()}
     written = []
     for name, rows in tables.items():
-        text, blob = markdown(name, rows, params.tables[name].experiments), json.dumps(rows, indent=1, sort_keys=True)
+        text = markdown(name, rows, params.tables[name].experiments, params.verdicts)
+        blob = json.dumps(rows, indent=1, sort_keys=True)
         md, columns = root / REPORTS / "markdown" / f"{name}.md", params.tables[name].experiments
         atomic_write_text(md, text)
         write_paper_table(md.parent / name, rows, columns,
@@ -106,6 +107,7 @@ def write_tables(params_path: str = "params.yaml", root: str = ".") -> list[Path
         write_dvc_table(root / REPORTS / "tables" / name, rows)
         with MlflowRun(params.tracking.mlflow_uri, "tables", name, None, params.tracking.retry_seconds) as tracker, \
                 tempfile.TemporaryDirectory() as tmp:
+            tracker.log_params_and_tags(flatten({"verdicts": params.verdicts.model_dump()}), {})
             (Path(tmp) / md.name).write_text(text)
             (Path(tmp) / f"{name}.json").write_text(blob)
             tracker.log_artifacts(Path(tmp))

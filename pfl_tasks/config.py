@@ -396,6 +396,28 @@ class Learn2pFedConfig(Strict):
     features_from: str | None = None  # classification: algorithm whose trained body gives features
 
 
+class PlateauRule(Strict):
+    """A run has plateaued when its mean personalized validation metric over the evaluations of
+    the last `window` of its rounds beats the mean over the `window` before by less than `acc`
+    of accuracy (absolute) or `mse` of the MSE (relative): window means, so that one noisy
+    evaluation decides nothing."""
+
+    window: Annotated[float, Field(gt=0, le=0.5, strict=True)] = 0.2
+    acc: PositiveFloat = 0.005
+    mse: PositiveFloat = 0.01
+
+
+class VerdictConfig(Strict):
+    """The rules behind every report's verdicts (the compare reports, tables and sweeps), which
+    each prints in its header."""
+
+    plateau: PlateauRule = PlateauRule()
+    alpha: Fraction = 0.05  # significance of the paired tests behind ≈ (Holm-adjusted)
+    # a run that aggregated less than this share of its rounds (in the others no sampled client
+    # reported: `federation.dropout`) barely trained: listed, never ranked, its plateau not counted
+    min_aggregated: Annotated[float, Field(gt=0, le=1, strict=True)] = 0.5
+
+
 class TableConfig(Strict):
     """One comparison table of `reports/`: a column per experiment, a row per method."""
 
@@ -506,6 +528,7 @@ class Params(Strict):
     learn2pfed: dict[Name, Learn2pFedConfig] = {}  # experiment name -> downstream stage
     tuning: dict[Name, TuningConfig] = {}  # experiment name -> its `tune-<experiment>` stage
     tables: dict[Name, TableConfig] = {}
+    verdicts: VerdictConfig = VerdictConfig()
 
     @model_validator(mode="after")
     def _cross_references(self) -> Params:

@@ -53,10 +53,11 @@ def json_text(record: dict) -> str:
 # a run's DVC metrics file: its headline under short keys (`dvc metrics show` and `dvc exp show`
 # fit a terminal; MLflow has every summary): the round selected on validation, the personalized
 # model's mean metric there (accuracy or MSE, the task's) on validation and test, the global
-# model's on test, the worst 10% of clients on test, the plateau verdict
+# model's on test, the worst 10% of clients on test (the plateau verdict is the reports', under
+# the configured `verdicts.plateau`)
 HEADLINE = {"round": "selected/round", "val": "selected/val/personalized/{m}_mean",
             "test": "selected/test/personalized/{m}_mean", "global": "selected/test/global/{m}_mean",
-            "worst10": "selected/test/personalized/{m}_worst10", "plateau": "plateau/reached"}
+            "worst10": "selected/test/personalized/{m}_worst10"}
 
 
 PINNED_RUN = "mlflow_run"  # the MLflow run the numbers are, as a one-item list: DVC's tables skip lists

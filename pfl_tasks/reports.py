@@ -8,11 +8,12 @@ The protocol (README, "How methods are compared"): a method's score is the test 
 personalized model at the round selected on validation, per client; the cell is the mean over
 seeds of the client mean, with a 95% CI from a two-level bootstrap (seeds, then clients). The
 best method is compared with each other one by a paired test over clients (`stats.TEST_NAME`);
-methods it cannot tell apart at ALPHA are marked. The same runs at the same rounds are also
+methods it cannot tell apart at `verdicts.alpha` are marked. The same runs at the same rounds are also
 scored sample-weighted (all correct over all test samples: published tables' statistic), with
 its own CIs and tests, and a method whose verdict (against FedAvg, or in the top group) differs
 between the two statistics is flagged (`flips`). A diverged run, or one that aggregated too few
-of its rounds (MIN_AGGREGATED), is listed, never ranked.
+of its rounds (`verdicts.min_aggregated`), is listed, never ranked. Each run's plateau is judged
+here, on its validation curve, under `verdicts.plateau`; every report prints these rules.
 """
 
 from __future__ import annotations
@@ -28,21 +29,16 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from pfl_tasks.config import load_params
+from pfl_tasks.config import VerdictConfig, load_params
 from pfl_tasks.engine.evaluate import HIGHER_IS_BETTER
 from pfl_tasks.errors import ComparisonError
 from pfl_tasks.files import atomic_write, atomic_write_text, remove_stale_temporaries
 from pfl_tasks.outputs import pinned_run, write_csv
 from pfl_tasks.runs import RunPaths
-from pfl_tasks.selection import PLATEAU_TOLERANCE
+from pfl_tasks.selection import plateau
 from pfl_tasks.stats import TEST_NAME, WEIGHTED_TEST_NAME, holm, mean_ci, paired_pvalue, paired_weighted_pvalue
 from pfl_tasks.tracking import local_artifact_dir, sqlite_path
 
-ALPHA = 0.05
-# a run that aggregated fewer than this fraction of its rounds (in the others no sampled client
-# reported: `federation.dropout`) barely trained: it is listed, never ranked, and its plateau
-# verdict does not count
-MIN_AGGREGATED = 0.5
 ALL_VALIDATION = "every client's validation rows"
 CLIENTS_TABLE = "clients_selected.csv"  # each client's metrics at the round selected on validation
 # PFLlib's published statistic (Zhang et al., JMLR 2025): the test metric weighted by the clients'
@@ -200,12 +196,13 @@ class MethodResult:
     # the validation rows `val` is on: every client's (the split), or those its runs' tag
     # `validation_rows` names (Learn2pFed's `val` supervision), not comparable with the others'
     validation_rows: str = ALL_VALIDATION
+    rule: VerdictConfig = VerdictConfig()  # what its verdicts are judged by
 
     @property
     def too_few_rounds(self) -> list[tuple[int, int, int]]:
-        """(seed, rounds aggregated, rounds run) of its runs below MIN_AGGREGATED: then it is not ranked."""
+        """(seed, rounds aggregated, rounds run) of its runs below `min_aggregated`: then it is not ranked."""
         return [(seed, done, rounds) for seed, (done, rounds) in self.aggregated.items()
-                if done < MIN_AGGREGATED * rounds]
+                if done < self.rule.min_aggregated * rounds]
 
     @property
     def ranked(self) -> bool:
@@ -213,7 +210,7 @@ class MethodResult:
 
     def indistinguishable(self, weighted: bool = False) -> bool:
         p = self.p_vs_best_weighted if weighted else self.p_vs_best
-        return p is not None and p >= ALPHA
+        return p is not None and p >= self.rule.alpha
 
     def score(self, weighted: bool = False) -> Interval | None:
         return self.weighted if weighted else self.personalized
@@ -247,7 +244,16 @@ def _mean(runs: list, key: str) -> float | None:
     return statistics.fmean(values) if values else None
 
 
-def method_result(client, method: str, by_seed: dict[int, object], metric: str) -> MethodResult:
+def plateaued(client, run_id: str, metric: str, rule: VerdictConfig) -> bool | None:
+    """Whether the run's mean personalized validation curve (MLflow's history) has plateaued
+    under `rule.plateau`; None when its curve is too short to tell."""
+    curve = {m.step: m.value for m in client.get_metric_history(run_id, f"val/personalized/{metric}_mean")}
+    verdict = plateau(curve, metric, rule.plateau) if curve else None
+    return None if verdict is None else verdict[1]
+
+
+def method_result(client, method: str, by_seed: dict[int, object], metric: str,
+                  rule: VerdictConfig = VerdictConfig()) -> MethodResult:
     finished = {s: r for s, r in sorted(by_seed.items()) if "diverged_at" not in r.data.tags}
     diverged = [(s, int(r.data.tags["diverged_at"])) for s, r in sorted(by_seed.items()) if s not in finished]
     runs = list(finished.values())
@@ -268,7 +274,7 @@ def method_result(client, method: str, by_seed: dict[int, object], metric: str) 
         mean_ci(list(shared.values())) if shared and complete else None,
         _mean(runs, f"selected/test/personalized/{metric}_worst10"),
         [int(r.data.metrics["selected/round"]) for r in runs if "selected/round" in r.data.metrics],
-        [r.data.metrics["plateau/reached"] == 1 for r in runs if "plateau/reached" in r.data.metrics],
+        [v for v in (plateaued(client, r.info.run_id, metric, rule) for r in runs) if v is not None],
         _mean(runs, "final/compute/grad_samples"), _mean(runs, "final/compute/eval_grad_samples"),
         None if up is None or down is None else up + down,
         bool(runs) and all(r.data.metrics.get("selected/personalized_is_global") == 1 for r in runs),
@@ -282,6 +288,7 @@ def method_result(client, method: str, by_seed: dict[int, object], metric: str) 
                   if personal and complete and set(sizes) == set(personal) else None),
         validation_rows=next((r.data.tags["validation_rows"] for r in runs if "validation_rows" in r.data.tags),
                              ALL_VALIDATION),
+        rule=rule,
     )
 
 
@@ -313,11 +320,12 @@ def _p_values(ranked: list[MethodResult], weighted: bool) -> dict[str, float]:
     return holm(raw)
 
 
-def summarize(client, newest: dict[str, dict[int, object]], metric: str) -> list[MethodResult]:
+def summarize(client, newest: dict[str, dict[int, object]], metric: str,
+              rule: VerdictConfig = VerdictConfig()) -> list[MethodResult]:
     """Every method, the ranked ones best first (by the client mean's point estimate), then the
     unranked; each ranked method but the best carries its Holm-adjusted p-value against the
-    best, and likewise against the best by the sample-weighted statistic."""
-    results = [method_result(client, m, by_seed, metric) for m, by_seed in newest.items()]
+    best, and likewise against the best by the sample-weighted statistic; verdicts by `rule`."""
+    results = [method_result(client, m, by_seed, metric, rule) for m, by_seed in newest.items()]
     for weighted, key in ((False, "p_vs_best"), (True, "p_vs_best_weighted")):
         ranked = ordered(results, weighted)
         if len(ranked) > 1:
@@ -453,16 +461,19 @@ def best_line(results: list[MethodResult], weighted: bool = False) -> str:
     return line
 
 
-def protocol_lines() -> list[str]:
+def protocol_lines(rule: VerdictConfig) -> list[str]:
     return [
         "Test accuracy (higher is better) or MSE (lower is better) of each client's personalized model at the "
         "round selected on the clients' validation "
         "splits; mean over clients and seeds with a 95% CI (two-level bootstrap: seeds, then clients). "
-        f"≈: not significantly different from the best ({TEST_NAME}, α = {ALPHA}). "
+        f"≈: not significantly different from the best ({TEST_NAME}, α = {rule.alpha}). "
         "†: the \"personalized\" model is the global model. "
         "✓: the best on validation (the same mean on the validation splits): what a sweep selects. "
-        f"Diverged runs, and runs that aggregated fewer than {MIN_AGGREGATED:.0%} of their rounds (in the others "
-        "no sampled client reported), are listed, not ranked.",
+        f"Diverged runs, and runs that aggregated fewer than {rule.min_aggregated:.0%} of their rounds (in the "
+        "others no sampled client reported), are listed, not ranked.",
+        f"Verdict rules (`verdicts` in the params file): α = {rule.alpha}, min_aggregated = {rule.min_aggregated}, "
+        f"plateau: window {rule.plateau.window} of the rounds, gain below {rule.plateau.acc} accuracy "
+        f"or {rule.plateau.mse:.0%} of the MSE.",
     ]
 
 
@@ -477,16 +488,18 @@ STATISTICS_NOTE = (
 
 
 def markdown(experiment: str, metric: str, results: list[MethodResult], figures: dict[str, str],
-             tuning: dict | None = None, downstream: dict[str, str] | None = None) -> str:
-    tolerance = f"{PLATEAU_TOLERANCE['acc']} accuracy" if metric == "acc" else f"{PLATEAU_TOLERANCE['mse']:.0%} of the MSE"
+             tuning: dict | None = None, downstream: dict[str, str] | None = None,
+             rule: VerdictConfig = VerdictConfig()) -> str:
+    window = f"{rule.plateau.window:.0%}"
+    tolerance = f"{rule.plateau.acc} accuracy" if metric == "acc" else f"{rule.plateau.mse:.0%} of the MSE"
     lines = [
         f"# {experiment}: comparison",
         "",
-        *protocol_lines(),
+        *protocol_lines(rule),
         "⚑: its verdict (above or below FedAvg's global model, in or out of the top group) differs between the "
         "client mean and the sample-weighted statistic (the second table, and the sentences under it).",
-        f"Plateaued: seeds whose mean validation metric over the last fifth of the rounds gained less than "
-        f"{tolerance} on the fifth before. Rounds aggregated: per seed, the rounds in which a sampled client "
+        f"Plateaued: seeds whose mean validation metric over the last {window} of the rounds gained less than "
+        f"{tolerance} on the {window} before. Rounds aggregated: per seed, the rounds in which a sampled client "
         "reported, of the rounds run. Compute: samples × forward-backward passes over all clients, the whole run (+ one "
         "evaluation's personalization; + tuning: every grid point the method was tuned over, below). Communication: "
         "bytes up and down, the whole run. Runs: the newest "
@@ -529,7 +542,7 @@ def markdown(experiment: str, metric: str, results: list[MethodResult], figures:
     if unranked:
         lines += ["", "Not ranked:", ""]
         lines += [f"- {r.method}: {unranked_note(r)}" for r in unranked]
-    lines += weighted_lines(results, flipped)
+    lines += weighted_lines(results, flipped, rule)
     lines += tuning_lines(tuning)
     lines += test_selected_lines(results)
     lines.append("")
@@ -537,7 +550,7 @@ def markdown(experiment: str, metric: str, results: list[MethodResult], figures:
     return "\n".join(lines)
 
 
-def weighted_lines(results: list[MethodResult], flipped: dict[str, str]) -> list[str]:
+def weighted_lines(results: list[MethodResult], flipped: dict[str, str], rule: VerdictConfig) -> list[str]:
     """The second statistic's table, ranked by it with its own CIs and tests, then a sentence
     for each method whose verdict flips between the two."""
     ranked = ordered(results, weighted=True)
@@ -546,7 +559,7 @@ def weighted_lines(results: list[MethodResult], flipped: dict[str, str]) -> list
     lines = ["", "## Sample-weighted, validation-selected", "", STATISTICS_NOTE, "",
              "The same runs at the same selected rounds, scored as all correct over all test samples of each "
              f"seed (MSE: weighted by test samples), mean over seeds, with a 95% CI (two-level bootstrap). ≈: not "
-             f"significantly different from this table's best ({WEIGHTED_TEST_NAME}, α = {ALPHA}).", "",
+             f"significantly different from this table's best ({WEIGHTED_TEST_NAME}, α = {rule.alpha}).", "",
              "| rank | method | sample-weighted, test (95% CI) | client mean, test | rank by client mean |",
              "|---|---|---|---|---|"]
     by_mean = {r.method: i for i, r in enumerate(ordered(results), 1)}
@@ -809,7 +822,7 @@ FIGURES = (  # file name, builder, caption
 
 def write_report(client, experiment: str, report_dir: Path, figure_dir: Path,
                  only: dict[tuple[str, int], str | None] | None = None, tuning: dict | None = None,
-                 downstream: dict[str, str] | None = None) -> list[MethodResult]:
+                 downstream: dict[str, str] | None = None, rule: VerdictConfig = VerdictConfig()) -> list[MethodResult]:
     """`report_dir/<experiment>.md`, its ranked table for a paper as `.tex` and `.csv`, and its PNGs
     in `figure_dir`, after removing what a killed writer left of their temporaries (call as their
     one writer); returns the ranking."""
@@ -817,7 +830,7 @@ def write_report(client, experiment: str, report_dir: Path, figure_dir: Path,
                              *(figure_dir / f"{experiment}-{name}.png" for name, _, _ in FIGURES))
     newest = collect(client, experiment, only)
     metric = primary_metric(newest)
-    results = summarize(client, newest, metric)
+    results = summarize(client, newest, metric, rule)
     figures = {}
     for name, build, caption in FIGURES:
         fig = build(client, results, metric, f"{experiment}: {caption}")
@@ -825,7 +838,7 @@ def write_report(client, experiment: str, report_dir: Path, figure_dir: Path,
             png = figure_dir / f"{experiment}-{name}.png"
             _save(fig, png)
             figures[caption] = Path(os.path.relpath(png, report_dir)).as_posix()
-    atomic_write_text(report_dir / f"{experiment}.md", markdown(experiment, metric, results, figures, tuning, downstream))
+    atomic_write_text(report_dir / f"{experiment}.md", markdown(experiment, metric, results, figures, tuning, downstream, rule))
     chosen = winner_on_validation(results)
     write_paper_table(report_dir / experiment, {r.method: {experiment: cell(r, metric, r is chosen)} for r in results},
                       [experiment], f"{experiment}: written by `python -m flows.compare` (its .md says how to read it)")

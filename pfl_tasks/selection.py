@@ -1,11 +1,13 @@
 """What a run's numbers are: per-client metrics summarized over clients, the evaluation selected
 on validation (never on test), the final and selected metrics, and the plateau verdict. Pure
-rules, shared by the training loop, the Learn2pFed flow and the reports."""
+rules, shared by the training loop, the Learn2pFed flow and the reports (which judge plateaus,
+under the configured `verdicts.plateau`)."""
 
 from __future__ import annotations
 
 import torch
 
+from pfl_tasks.config import PlateauRule
 from pfl_tasks.engine.evaluate import HIGHER_IS_BETTER, summarize
 
 PRIMARY = {"classification": "acc", "regression": "mse"}
@@ -48,29 +50,22 @@ def final_metrics(history: list[dict], task: str) -> dict[str, float]:
     return out
 
 
-# a run has plateaued when its mean personalized validation metric over the evaluations of the
-# last fifth of its rounds is better than over the fifth before by less than half a point of
-# accuracy, or 1% of the MSE (window means: one noisy evaluation decides nothing)
-PLATEAU_WINDOW = 0.2
-
-
-PLATEAU_TOLERANCE = {"acc": 0.005, "mse": 0.01}
-
-
-def plateau(history: list[dict], task: str) -> dict[str, float]:
-    """`plateau/gain`, what the mean validation metric gained from the second-to-last fifth of
-    the rounds to the last (absolute for accuracy, relative for MSE), and `plateau/reached` (1 or
-    0, by PLATEAU_TOLERANCE); nothing when either window holds no evaluation."""
-    metric = PRIMARY[task]
-    key, total = f"val/personalized/{metric}_mean", history[-1]["round"]
-    windows = [[h[key] for h in history if key in h and lo < h["round"] <= hi]
-               for lo, hi in ((total * (1 - 2 * PLATEAU_WINDOW), total * (1 - PLATEAU_WINDOW)),
-                              (total * (1 - PLATEAU_WINDOW), total))]
+def plateau(curve: dict[int, float], metric: str, rule: PlateauRule) -> tuple[float, bool] | None:
+    """(gain, plateaued) of a run's mean personalized validation `metric` by round (`curve`):
+    what its mean over the last `rule.window` of the rounds gained on the window before (absolute
+    for accuracy; relative for MSE, and from an MSE of 0 the MSE lost), and whether that is below
+    the rule's tolerance. None when either window holds no evaluation."""
+    total, w = max(curve), rule.window
+    edges = [round(total * (1 - k * w), 6) for k in (2, 1, 0)]  # rounded: 1 - 2 * 0.4 is not 0.2 in floats
+    windows = [[v for r, v in curve.items() if lo < r <= hi] for lo, hi in zip(edges, edges[1:])]
     if not all(windows):
-        return {}
-    before, last = (sum(w) / len(w) for w in windows)
-    gain = last - before if HIGHER_IS_BETTER[metric] else (before - last) / before
-    return {"plateau/gain": gain, "plateau/reached": float(gain < PLATEAU_TOLERANCE[metric])}
+        return None
+    before, last = (sum(values) / len(values) for values in windows)
+    if HIGHER_IS_BETTER[metric]:
+        gain = last - before
+    else:
+        gain = (before - last) / before if before else -last
+    return gain, gain < getattr(rule, metric)
 
 
 def personalized_is_global(metrics: dict[str, dict[str, dict[str, torch.Tensor]]]) -> bool:

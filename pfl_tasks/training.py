@@ -25,7 +25,7 @@ from pfl_tasks.errors import CheckpointError, DataValidationError
 from pfl_tasks.imports import code_hash, numeric_code
 from pfl_tasks.outputs import dvc_curve, evaluation_line, learning_curve_png, per_client_rows, pinned_run, write_csv
 from pfl_tasks.runs import Run, RunPaths, checkpoint_problem, resume_point
-from pfl_tasks.selection import final_metrics, personalized_is_global, plateau, selected_index, summarize_eval
+from pfl_tasks.selection import final_metrics, personalized_is_global, selected_index, summarize_eval
 from pfl_tasks.tracking import flatten, run_tags
 
 # a run's cumulative cost, summed over clients: local compute (samples x forward-backward
@@ -205,7 +205,7 @@ def train_run(
         if diverged is not None:
             return run.diverged(*diverged, dvc_curve(history, data.task))
 
-        final = {**final_metrics(history, data.task), **plateau(history, data.task),
+        final = {**final_metrics(history, data.task),
                  "selected/personalized_is_global": float(personalized_is_global(tables["selected"]))}
 
         def artifacts(tmp: Path) -> None:

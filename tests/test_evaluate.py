@@ -3,6 +3,7 @@ import torch
 
 from conftest import split_from
 from pfl_tasks.engine.evaluate import evaluate_clients, summarize
+from pfl_tasks.config import PlateauRule
 from pfl_tasks.selection import final_metrics, plateau, selected_index
 from torch import nn
 
@@ -56,18 +57,36 @@ def test_the_selected_round_follows_the_validation_metric_only():
     assert final["final/test/personalized/acc_mean"] == 0.9 and final["selected/test/personalized/acc_mean"] == 0.6
 
 
-def test_plateau_is_the_gain_of_the_mean_validation_metric_from_one_fifth_of_the_rounds_to_the_last():
-    def history(values, key="val/personalized/acc_mean"):
-        return [{"round": 10 * (i + 1), key: v} for i, v in enumerate(values)]
+def curve(values):
+    """Evaluations every 10 rounds."""
+    return {10 * (i + 1): v for i, v in enumerate(values)}
 
-    # 10 evaluations: the windows are rounds 70-80 and 90-100
-    climbing = plateau(history([0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0]), "classification")
-    assert climbing == {"plateau/gain": pytest.approx(0.2), "plateau/reached": 0.0}
-    noisy = plateau(history([0.5, 0.7, 0.8, 0.8, 0.8, 0.8, 0.79, 0.81, 0.78, 0.82]), "classification")
-    assert noisy["plateau/gain"] == pytest.approx(0.0) and noisy["plateau/reached"] == 1.0
-    late = plateau(history([0.5, 0.7, 0.8, 0.8, 0.8, 0.8, 0.8, 0.8, 0.806, 0.806]), "classification")
-    assert late["plateau/gain"] == pytest.approx(0.006) and late["plateau/reached"] == 0.0
-    key = "val/personalized/mse_mean"
-    mse = plateau(history([4.0, 2.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.995, 0.995], key), "regression")
-    assert mse["plateau/gain"] == pytest.approx(0.005) and mse["plateau/reached"] == 1.0
-    assert plateau(history([0.5, 0.6]), "classification") == {}  # no evaluation in the fifth before the last
+
+def test_plateau_is_the_gain_of_the_mean_validation_metric_from_one_fifth_of_the_rounds_to_the_last():
+    rule = PlateauRule()  # 10 evaluations: the windows are rounds 70-80 and 90-100
+    assert plateau(curve([0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0]), "acc", rule) == (pytest.approx(0.2), False)
+    noisy = plateau(curve([0.5, 0.7, 0.8, 0.8, 0.8, 0.8, 0.79, 0.81, 0.78, 0.82]), "acc", rule)
+    assert noisy == (pytest.approx(0.0), True)
+    late = plateau(curve([0.5, 0.7, 0.8, 0.8, 0.8, 0.8, 0.8, 0.8, 0.806, 0.806]), "acc", rule)
+    assert late == (pytest.approx(0.006), False)
+    mse = plateau(curve([4.0, 2.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.995, 0.995]), "mse", rule)
+    assert mse == (pytest.approx(0.005), True)
+    assert plateau(curve([0.5, 0.6]), "acc", rule) is None  # no evaluation in the fifth before the last
+
+
+def test_the_plateau_rule_is_the_configured_one():
+    """Its window and tolerances are `verdicts.plateau`: a wider window or a looser tolerance
+    turns the same curve's verdict."""
+    late = curve([0.5, 0.7, 0.8, 0.8, 0.8, 0.8, 0.8, 0.8, 0.806, 0.806])
+    assert plateau(late, "acc", PlateauRule(acc=0.01)) == (pytest.approx(0.006), True)
+    # window 0.4: rounds 30-60 (mean 0.8) against 70-100 (mean 0.803)
+    assert plateau(late, "acc", PlateauRule(window=0.4)) == (pytest.approx(0.003), True)
+    mse = curve([4.0, 2.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.995, 0.995])
+    assert plateau(mse, "mse", PlateauRule(mse=0.001)) == (pytest.approx(0.005), False)
+
+
+def test_a_perfect_mse_before_the_last_window_is_no_division_by_zero():
+    """From an MSE of 0 the relative gain is the MSE lost (nothing left to gain: plateaued)."""
+    rule = PlateauRule()
+    assert plateau(curve([1.0] * 6 + [0.0, 0.0, 0.0, 0.0]), "mse", rule) == (0.0, True)
+    assert plateau(curve([1.0] * 6 + [0.0, 0.0, 0.5, 0.5]), "mse", rule) == (-0.5, True)

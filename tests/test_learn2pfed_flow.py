@@ -71,3 +71,14 @@ def test_learn2pfed_head_on_upstream_body_resumes_and_lands_in_the_table(project
                         ["mlflow_run"][0])
     assert run.data.tags["validation_rows"] == HELD_OUT_HALF  # the reports keep it out of ✓
     assert run.data.tags["engine.torch_threads"] == str(torch.get_num_threads())
+    # its validation curve in MLflow runs to the last Theta (meta-epoch 12): the reports judge its plateau on it
+    from pfl_tasks.config import VerdictConfig
+    from pfl_tasks.reports import plateaued
+
+    curve = store.get_metric_history(run.info.run_id, "val/personalized/acc_mean")
+    assert {m.step for m in curve} == set(range(13))
+    assert plateaued(store, run.info.run_id, "acc", VerdictConfig()) is not None
+    # the tables stage's MLflow run records the rules its verdicts were judged by
+    (tables_run,) = store.search_runs([store.get_experiment_by_name("tables").experiment_id])
+    assert tables_run.data.params["verdicts.alpha"] == "0.05"
+    assert tables_run.data.params["verdicts.plateau.window"] == "0.2"

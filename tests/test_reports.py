@@ -16,10 +16,11 @@ import yaml
 from conftest import background_server, free_port, mlflow_uri, ranked_result, tiny_params
 
 from flows.tables import build_table, markdown
-from pfl_tasks.config import parse_params
+from pfl_tasks.config import PlateauRule, VerdictConfig, parse_params
 from pfl_tasks.errors import ComparisonError
 from pfl_tasks.outputs import pin, write_csv
-from pfl_tasks.reports import best_line, collect, summarize, variant, winner_on_validation, write_report
+from pfl_tasks.reports import (best_line, collect, markdown as report_markdown, plateaued, summarize, variant,
+                               winner_on_validation, write_report)
 from pfl_tasks.stats import mean_ci
 from pfl_tasks.tracking import MlflowRun
 
@@ -48,7 +49,7 @@ def log_run(tmp, experiment, algorithm, seed, clients, global_clients=None, stat
     run.log_metrics({f"selected/test/personalized/{metric}_mean": mean,
                      f"selected/val/personalized/{metric}_mean": mean if val is None else val,
                      f"selected/test/personalized/{metric}_worst10":
-                     min(clients), "selected/round": 2, "plateau/reached": 1.0, "final/compute/grad_samples": 200,
+                     min(clients), "selected/round": 2, "final/compute/grad_samples": 200,
                      "final/comm/bytes_up": 10, "final/comm/bytes_down": 20,
                      "selected/personalized_is_global": float(global_clients is not None and global_clients == clients)},
                     step=2)
@@ -128,9 +129,40 @@ def test_both_reports_count_the_same_runs_with_cis_marks_and_diverged_runs(tmp_p
         assert got["seeds"] == 2 and got["marks"] == {"a": "", "b": "≈✓", "c": "†"}[r.method]
         assert got["best_on_validation"] == (r is b)
     assert rows["d"][experiment] == {"metric": "acc", "status": "diverged at round 7 (seed 1)"}
-    text = markdown("t", rows, [experiment])
+    text = markdown("t", rows, [experiment], params.verdicts)
     assert "| d | diverged at round 7 (seed 1) |" in text
     json.dumps(rows, allow_nan=False)  # the DVC metrics file is strict JSON
+
+
+def test_the_configured_verdict_rules_decide_the_marks_the_ranking_and_the_plateau(tmp_path):
+    """`verdicts` is what every verdict is judged by, and the report says which rules it used:
+    α behind ≈, the least share of rounds aggregated to be ranked, and the plateau rule, applied
+    to each run's validation curve in MLflow."""
+    client, experiment, params, _ = store_with_stale_and_extra_runs(tmp_path)
+    newest = collect(client, experiment, {(m, s): None for m in "abcd" for s in (0, 1)})
+    default = {r.method: r for r in summarize(client, newest, "acc")}
+    strict = VerdictConfig(alpha=0.999, min_aggregated=0.7, plateau=PlateauRule(window=0.4, acc=0.01))
+    judged = summarize(client, newest, "acc", strict)
+    assert default["b"].indistinguishable() and not {r.method: r for r in judged}["b"].indistinguishable()
+    header = report_markdown(experiment, "acc", judged, {}, rule=strict)
+    assert ("Verdict rules (`verdicts` in the params file): α = 0.999, min_aggregated = 0.7, plateau: window 0.4 "
+            "of the rounds, gain below 0.01 accuracy or 1% of the MSE.") in header
+    assert "| 2 | b✓ |" in header and "over the last 40% of the rounds gained less than 0.01 accuracy" in header
+
+    sparse = replace(ranked_result("x", 0.9), aggregated={0: (60, 100)})  # 60 of 100 rounds aggregated
+    assert sparse.ranked and not replace(sparse, rule=strict).ranked
+
+    run = MlflowRun(mlflow_uri(), experiment, "late-seed0", None)
+    for step, value in curve_of([0.5, 0.7, 0.8, 0.8, 0.8, 0.8, 0.8, 0.8, 0.806, 0.806]).items():
+        run.log_metrics({"val/personalized/acc_mean": value}, step=step)
+    run.finish("FINISHED")
+    assert plateaued(client, run.run_id, "acc", VerdictConfig()) is False  # gained 0.006 >= 0.005
+    assert plateaued(client, run.run_id, "acc", VerdictConfig(plateau=PlateauRule(acc=0.01))) is True
+    assert plateaued(client, run.run_id, "mse", VerdictConfig()) is None  # no such curve
+
+
+def curve_of(values):
+    return {10 * (i + 1): v for i, v in enumerate(values)}
 
 
 def test_a_best_line_names_the_top_group_unless_the_best_is_significant_and_says_when_runs_did_not_plateau():
@@ -241,7 +273,6 @@ def test_the_test_selected_statistic_is_printed_apart_and_ranks_nothing(tmp_path
     ranks first, on its selected round."""
     from mlflow.tracking import MlflowClient
 
-    from pfl_tasks.reports import markdown as report_markdown
 
     experiment = f"peak-{uuid.uuid4().hex[:8]}"
     peaks = {("a", 0): [0.80, 0.82], ("a", 1): [0.84, 0.86], ("b", 0): [0.95, 0.70], ("b", 1): [0.93, 0.72]}
@@ -381,7 +412,7 @@ def test_a_method_whose_verdict_flips_between_the_statistics_is_marked_with_a_se
     """Local is below FedAvg on the client mean (its small client does badly) and above it
     sample-weighted (its large client does well): flagged ⚑ in both tables, with a sentence;
     Ditto is above FedAvg either way, and best in both, so it is not."""
-    from pfl_tasks.reports import flips, markdown as report_markdown, ordered
+    from pfl_tasks.reports import flips, ordered
 
     results = [two_client_result("ditto", [0.70, 0.95]), two_client_result("fedavg", [0.60, 0.90], 0.01, 0.01),
                two_client_result("local", [0.50, 0.95], 0.01, 0.01)]
@@ -442,7 +473,6 @@ def test_a_report_whose_best_on_validation_is_not_rank_one_says_which_row_a_choi
     """A sweep's rank 1 is the best on test; its choice (✓, on validation) may rank lower: the
     report says that row is the one to pick among variants."""
     from conftest import ranked_result
-    from pfl_tasks.reports import markdown as report_markdown
 
     results = [ranked_result("ditto_mu1", 0.90, val=0.80), ranked_result("ditto_mu0.1", 0.88, val=0.85)]
     text = report_markdown("e", "acc", results, {})
@@ -457,7 +487,7 @@ def test_a_method_trained_downstream_of_another_says_whose_costs_precede_its_own
     only, so the report names the runs it stands on, for the methods it shows."""
     from conftest import ranked_result
     from pfl_tasks.config import parse_params
-    from pfl_tasks.reports import downstream_methods, markdown as report_markdown
+    from pfl_tasks.reports import downstream_methods
 
     params = parse_params({
         "datasets": {"d": {"source": {"name": "digits"}}},
@@ -481,7 +511,7 @@ def test_a_method_scored_on_other_validation_rows_is_not_the_choice_on_validatio
 
     from conftest import ranked_result
     from pfl_tasks.algorithms.learn2pfed_meta import HELD_OUT_HALF
-    from pfl_tasks.reports import markdown as report_markdown, winner_on_validation
+    from pfl_tasks.reports import winner_on_validation
 
     half = replace(ranked_result("learn2pfed-val", 0.90, val=0.99), validation_rows=HELD_OUT_HALF)
     results = [half, ranked_result("learn2pfed-train", 0.89, val=0.95)]
