@@ -49,7 +49,7 @@ from pfl_tasks.engine.federation import tree_mismatch
 from pfl_tasks.errors import CheckpointError, ConfigError
 from pfl_tasks.imports import ROOT, code_hash, numeric_code
 from pfl_tasks.nets import build_net, embed, head_keys, split_net
-from pfl_tasks.outputs import per_client_rows, write_csv
+from pfl_tasks.outputs import write_client_tables, write_csv
 from pfl_tasks.runs import Run, RunPaths
 from pfl_tasks.engine.evaluate import HIGHER_IS_BETTER
 from pfl_tasks.selection import PRIMARY, final_metrics, summarize_eval
@@ -300,8 +300,7 @@ def learn2pfed_flow(experiment: str, supervision: str, seed: int, params_path: s
             final.update({f"participation/lam_mean_{j}": v for j, v in enumerate(lam.mean((0, 1)).tolist())})
 
         def artifacts(tmp: Path) -> None:
-            write_csv(tmp / "clients_last.csv", per_client_rows(tables["last"]))
-            write_csv(tmp / "clients_selected.csv", per_client_rows(tables["selected"]))
+            write_client_tables(tmp, tables)
             write_csv(tmp / "participation.csv", [
                 {"cell": c, "client_id": i, **{f"lam_{j}": float(x) for j, x in enumerate(row)}}
                 for c, layer in enumerate(lam) for i, row in enumerate(layer)

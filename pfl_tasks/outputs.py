@@ -16,6 +16,16 @@ from pfl_tasks.files import atomic_write_text
 from pfl_tasks.selection import PRIMARY
 
 
+# each client's metrics at the last round and at the round selected on validation: MLflow artifacts
+CLIENTS_CSV = {"last": "clients_last.csv", "selected": "clients_selected.csv"}
+
+
+def write_client_tables(folder: Path, tables: dict[str, dict]) -> None:
+    """`CLIENTS_CSV`'s files in `folder`, from the per-client metrics of the last and selected rounds."""
+    for when, name in CLIENTS_CSV.items():
+        write_csv(folder / name, per_client_rows(tables[when]))
+
+
 def per_client_rows(metrics: dict[str, dict[str, dict[str, torch.Tensor]]]) -> list[dict]:
     """One row per client: its validation and test sizes and metrics (`test_personalized_acc`, ...)."""
     rows = []

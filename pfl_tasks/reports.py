@@ -33,14 +33,14 @@ from pfl_tasks.config import VerdictConfig, load_params
 from pfl_tasks.engine.evaluate import HIGHER_IS_BETTER
 from pfl_tasks.errors import ComparisonError
 from pfl_tasks.files import atomic_write, atomic_write_text, remove_stale_temporaries
-from pfl_tasks.outputs import pinned_run, write_csv
+from pfl_tasks.outputs import CLIENTS_CSV, pinned_run, write_csv
 from pfl_tasks.runs import RunPaths
 from pfl_tasks.selection import plateau
 from pfl_tasks.stats import TEST_NAME, WEIGHTED_TEST_NAME, holm, mean_ci, paired_pvalue, paired_weighted_pvalue
 from pfl_tasks.tracking import local_artifact_dir, sqlite_path
 
 ALL_VALIDATION = "every client's validation rows"
-CLIENTS_TABLE = "clients_selected.csv"  # each client's metrics at the round selected on validation
+CLIENTS_TABLE = CLIENTS_CSV["selected"]  # each client's metrics at the round selected on validation
 # PFLlib's published statistic (Zhang et al., JMLR 2025): the test metric weighted by the clients'
 # test samples (its sum of correct over sum of samples), at the best round *on test*
 TEST_SELECTED = "test/personalized/{metric}_weighted"

@@ -23,7 +23,7 @@ from pfl_tasks.engine.federation import Federation, RunState, clients_per_round
 from pfl_tasks.engine.steps import Steps
 from pfl_tasks.errors import CheckpointError, DataValidationError
 from pfl_tasks.imports import code_hash, numeric_code
-from pfl_tasks.outputs import dvc_curve, evaluation_line, learning_curve_png, per_client_rows, pinned_run, write_csv
+from pfl_tasks.outputs import dvc_curve, evaluation_line, learning_curve_png, pinned_run, write_client_tables
 from pfl_tasks.runs import Run, RunPaths, checkpoint_problem, resume_point
 from pfl_tasks.selection import final_metrics, personalized_is_global, selected_index, summarize_eval
 from pfl_tasks.tracking import flatten, run_tags
@@ -209,8 +209,7 @@ def train_run(
                  "selected/personalized_is_global": float(personalized_is_global(tables["selected"]))}
 
         def artifacts(tmp: Path) -> None:
-            write_csv(tmp / "clients_last.csv", per_client_rows(tables["last"]))
-            write_csv(tmp / "clients_selected.csv", per_client_rows(tables["selected"]))
+            write_client_tables(tmp, tables)
             learning_curve_png(tmp / "learning_curve.png", history, data.task, f"{exp.name}: {run_name}")
 
         run.finish(final, dvc_curve(history, data.task), artifacts)

@@ -242,6 +242,8 @@ ORTHOGONAL = [[1.0, 0.0], [0.0, 1.0], [-1.0, 0.0], [0.0, -1.0]]  # a zero mean, 
     ({}, ORTHOGONAL, [0, 1, 2, 3], False),  # any bipartition leaves orthogonal pairs across it
     ({"warmup_rounds": 1}, OPPOSED, [0, 1, 2, 3], False),
     ({}, OPPOSED, [0, 1, 2], False),  # a member did not report
+    ({"min_split_size": 5}, OPPOSED, [0, 1, 2, 3], False),  # a cluster of 4 is too small to split
+    ({"min_split_size": 4}, OPPOSED, [0, 1, 2, 3], True),
 ])
 def test_cfl_round_by_hand(hp, updates, senders, splits):
     """Split when ||weighted mean dW|| <= stationarity x max ||dW|| and every update of one half

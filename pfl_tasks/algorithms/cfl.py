@@ -21,7 +21,7 @@ paper's alpha_max^cross, whose separation gap sqrt((1 - alpha) / 2) its Theorem 
 every update of one half points away from every update of the other). Gradient noise at an IID stationary
 point gives both a small mean and near-zero but positive cross similarities, so it does not
 split. Also from the authors' code: no split before round `warmup_rounds` = 20, and only
-clusters of more than 2 clients split. [choice] A cluster splits only in a round where all its
+clusters of at least `min_split_size` = 3 clients split (their `len(idc) > 2`). [choice] A cluster splits only in a round where all its
 members sent updates (the paper has full participation).
 
 Server state: one model slot per client (clusters are never empty, so there are at most as
@@ -47,6 +47,7 @@ class CFLHyper(HyperParams):
     stationarity: Annotated[float, Field(gt=0, le=1)] = 0.25
     max_cross_similarity: Annotated[float, Field(ge=-1, le=1)] = 0.0
     warmup_rounds: Annotated[int, Field(ge=0)] = 20
+    min_split_size: Annotated[int, Field(ge=2)] = 3
 
 
 def bipartition(updates: torch.Tensor) -> tuple[torch.Tensor, float]:
@@ -108,7 +109,7 @@ class CFL(Algorithm):
             mean_norm, max_norm = self.norms(flat[members], weights[members])
             nearest = min(nearest, (mean_norm / max(max_norm, 1e-12), mean_norm, max_norm))
             stationary = (int(server["round"]) >= self.hp.warmup_rounds and mean_norm <= self.hp.stationarity * max_norm
-                          and int((cluster == c).sum()) == len(members) > 2)
+                          and int((cluster == c).sum()) == len(members) >= self.hp.min_split_size)
             if not stationary:
                 continue
             second, cross = bipartition(flat[members])
