@@ -14,7 +14,7 @@ from pfl_tasks.config import parse_params
 from pfl_tasks.data import ClientSplit, FederatedData
 from pfl_tasks.engine.federation import Federation
 from pfl_tasks.engine.state import tree_bytes
-from pfl_tasks.engine.steps import InlineSteps, run_round
+from pfl_tasks.engine.rounds import InlineSteps, run_round
 
 HYPER = {"fedavg": {}, "fedprox": {"mu": 0.01}, "ditto": {"mu": 0.1},
          "pfedme": {"lam": 15.0, "inner_steps": 5, "personal_lr": 0.01, "beta": 1.0}}

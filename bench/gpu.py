@@ -29,7 +29,7 @@ from pfl_tasks.algorithms import build
 from pfl_tasks.engine.checkpoint import load_checkpoint, save_checkpoint
 from pfl_tasks.engine.federation import Federation
 from pfl_tasks.engine.state import leaves
-from pfl_tasks.engine.steps import InlineSteps, run_round
+from pfl_tasks.engine.rounds import InlineSteps, run_round
 
 REPS = 3
 

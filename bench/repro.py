@@ -77,7 +77,8 @@ def run_cost(tmp: Path) -> dict:
     code = f"""
 import json, os, sys, time, yaml
 sys.path.insert(0, {str(REPO)!r})
-import flows
+from flows.environment import local_defaults
+local_defaults()
 from flows.prepare import prepare
 from flows.stage import prefect_api
 from flows.train import train_experiment

@@ -48,7 +48,7 @@ from bench.common import MODELS, interleaved, one_round, p1, p3
 from pfl_tasks.algorithms import ALGORITHMS, build
 from pfl_tasks.config import TrackingConfig, load_params, parse_params
 from pfl_tasks.engine.federation import Federation
-from pfl_tasks.engine.steps import InlineSteps, run_round
+from pfl_tasks.engine.rounds import InlineSteps, run_round
 
 RESULTS = Path(__file__).parent / "results"
 # ----------------------------------------------------------------------------- P4
@@ -504,7 +504,9 @@ def main(argv: list[str] | None = None) -> int:
         from bench import gpu
 
         return gpu.main(result, RESULTS)
-    import flows  # noqa: F401  (environment defaults for Prefect and MLflow)
+    from flows.environment import local_defaults
+
+    local_defaults()  # before Prefect and MLflow load
     print("P8 the standard-protocol round against the floor", flush=True)
     result["p8"] = p8(reps, sorted(ALGORITHMS))
     result["p8_bookkeeping"] = p8_bookkeeping(20 if args.quick else 100)

@@ -23,10 +23,11 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-import flows  # noqa: F401  (environment defaults)
+from flows.environment import local_defaults
 from flows.precheck import check_params_first
 
 if __name__ == "__main__":  # a config error answers before Prefect, MLflow and torch load
+    local_defaults()
     check_params_first("learn2pfed")
 
 import torch
@@ -47,7 +48,7 @@ from pfl_tasks.engine.checkpoint import load_checkpoint, save_checkpoint
 from pfl_tasks.engine.device import configure, torch_threads, usable_cores
 from pfl_tasks.engine.federation import tree_mismatch
 from pfl_tasks.errors import CheckpointError, ConfigError
-from pfl_tasks.imports import ROOT, code_hash, numeric_code
+from pfl_tasks.code_deps import ROOT, code_hash, numeric_code
 from pfl_tasks.nets import build_net, embed, head_keys, split_net
 from pfl_tasks.outputs import write_client_tables, write_csv
 from pfl_tasks.runs import Run, RunPaths

@@ -19,7 +19,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-import flows  # noqa: F401  (environment defaults)
+from flows.environment import local_defaults
+
+if __name__ == "__main__":  # before Prefect and MLflow load: they read their settings then
+    local_defaults()
+
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 

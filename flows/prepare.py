@@ -15,7 +15,11 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import flows  # noqa: F401  (environment defaults)
+from flows.environment import local_defaults
+
+if __name__ == "__main__":  # before Prefect and MLflow load: they read their settings then
+    local_defaults()
+
 from flows.stage import stage_main
 from pfl_tasks.config import load_params
 from pfl_tasks.data import PARTITIONS, build_partition, write_partition

@@ -1,4 +1,4 @@
-"""`make run`: dvc.yaml from params.yaml (`flows.stages`), then `dvc repro` with one Prefect
+"""`make run`: dvc.yaml from params.yaml (`flows.dvc_yaml`), then `dvc repro` with one Prefect
 server for all its stages, bound to 127.0.0.1, whose UI shows the rounds live; the server
 stops when `dvc repro` ends, fails or is interrupted. With PREFECT_API_URL already set, the
 stages report there instead.
@@ -14,11 +14,15 @@ import subprocess
 import sys
 from pathlib import Path
 
-import flows  # noqa: F401  (environment defaults)
+from flows.environment import local_defaults
+
+if __name__ == "__main__":  # before Prefect and MLflow load: they read their settings then
+    local_defaults()
+
 import psutil
 
 from flows.stage import die_with, prefect_api, stage_main
-from flows.stages import write_dvc_yaml
+from flows.dvc_yaml import write_dvc_yaml
 from pfl_tasks.errors import RunStopped
 from pfl_tasks.files import OutputLock
 from pfl_tasks.runs import CONSOLE

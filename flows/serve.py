@@ -17,7 +17,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-import flows  # noqa: F401  (environment defaults)
+from flows.environment import local_defaults
+
+if __name__ == "__main__":  # before Prefect and MLflow load: they read their settings then
+    local_defaults()
+
 from flows.pipeline import pipeline_flow, repro_flow
 from flows.stage import check_prefect_api
 from flows.sweep import checked_sweep_params, sweep_flow

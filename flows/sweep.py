@@ -22,7 +22,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-import flows  # noqa: F401  (environment defaults)
+from flows.environment import local_defaults
+
+if __name__ == "__main__":  # before Prefect and MLflow load: they read their settings then
+    local_defaults()
+
 import yaml
 from prefect import flow
 from pydantic import ValidationError

@@ -7,7 +7,7 @@ task run instead of 2 + one per chunk. `engine.orchestrator: inline` runs the ve
 plain calls, to measure Prefect's cost and to keep unit tests fast.
 
 The training loop itself is the library's (`pfl_tasks.training.train_run`); this module
-adapts its steps (`pfl_tasks.engine.steps.Steps`) to Prefect tasks and Ray.
+adapts its steps (`pfl_tasks.engine.rounds.Steps`) to Prefect tasks and Ray.
 
     python -m flows.train <experiment> [--on-config-change refuse|restart|resume]
     python -m flows.train digits --algorithms ditto fedavg --seeds 0 1        # some of its runs, in place
@@ -24,10 +24,11 @@ import time
 from difflib import get_close_matches
 from pathlib import Path
 
-import flows  # noqa: F401  (environment defaults)
+from flows.environment import local_defaults
 from flows.precheck import check_params_first
 
 if __name__ == "__main__":  # a config error answers before Prefect, MLflow and torch load
+    local_defaults()
     check_params_first("train")
 
 from prefect import flow, task, unmapped
@@ -41,7 +42,7 @@ from pfl_tasks.engine.checkpoint import save_checkpoint
 from pfl_tasks.engine.device import torch_threads, usable_cores
 from pfl_tasks.engine.federation import Federation
 from pfl_tasks.engine.state import gather
-from pfl_tasks.engine.steps import InlineSteps, Steps, play_rounds, run_round
+from pfl_tasks.engine.rounds import InlineSteps, Steps, play_rounds, run_round
 from pfl_tasks.errors import ConfigError
 from pfl_tasks.outputs import pinned_run
 from pfl_tasks.tracking import open_store, tracking_uri, unmarked_runs
@@ -251,7 +252,7 @@ def train_experiment(
         if unlisted:
             raise ConfigError(f"experiments.{experiment} does not run {key} {unlisted} (it runs {configured}): "
                               "runs it does not configure are a sweep (python -m flows.sweep); if dvc.yaml asked "
-                              "for them, it is older than params.yaml: python -m flows.stages")
+                              "for them, it is older than params.yaml: python -m flows.dvc_yaml")
     results, started = {}, time.monotonic()
     runs = [(run_name, seed) for run_name in exp.algorithms if algorithms is None or run_name in algorithms
             for seed in exp.seeds if seeds is None or seed in seeds]

@@ -15,10 +15,11 @@ import sys
 import time
 from pathlib import Path
 
-import flows  # noqa: F401  (environment defaults)
+from flows.environment import local_defaults
 from flows.precheck import check_params_first
 
 if __name__ == "__main__":  # a config error answers before Prefect, MLflow and torch load
+    local_defaults()
     check_params_first("tune")
 
 import yaml

@@ -22,7 +22,7 @@ from pfl_tasks.config import Params
 from pfl_tasks.data import FederatedData, build_partition, load_partition, write_partition
 from pfl_tasks.engine.device import describe
 from pfl_tasks.engine.federation import Federation
-from pfl_tasks.engine.steps import InlineSteps
+from pfl_tasks.engine.rounds import InlineSteps
 
 
 def built_partition(name: str, cfg, seed: int) -> FederatedData:

@@ -20,9 +20,9 @@ from pfl_tasks.data.store import read_manifest
 from pfl_tasks.engine.checkpoint import load_checkpoint
 from pfl_tasks.engine.device import describe, platform, resolve_device, torch_threads
 from pfl_tasks.engine.federation import Federation, RunState, clients_per_round
-from pfl_tasks.engine.steps import Steps
+from pfl_tasks.engine.rounds import Steps
 from pfl_tasks.errors import CheckpointError, DataValidationError
-from pfl_tasks.imports import code_hash, numeric_code
+from pfl_tasks.code_deps import code_hash, numeric_code
 from pfl_tasks.outputs import dvc_curve, evaluation_line, learning_curve_png, pinned_run, write_client_tables
 from pfl_tasks.runs import Run, RunPaths, checkpoint_problem, resume_point
 from pfl_tasks.selection import final_metrics, personalized_is_global, selected_index, summarize_eval
@@ -35,7 +35,7 @@ COSTS = ("compute/grad_samples", "comm/bytes_up", "comm/bytes_down")
 
 def run_identity(exp: ResolvedExperiment, run_name: str, raw_hp: dict, data_hash: str) -> dict:
     """What a checkpoint must share with this run to be resumed: config, data and the code that
-    can change its numbers (`pfl_tasks.imports.numeric_code`), and the platform this process
+    can change its numbers (`pfl_tasks.code_deps.numeric_code`), and the platform this process
     computes on, which decides the rounding. The hyper-parameters count in canonical form: a
     default spelled out in params.yaml is the same run as one left out. `federation.rounds` is
     left out (a longer run continues a shorter one), and so is the engine (another executor or

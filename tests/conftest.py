@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import contextlib
-import os
 import tempfile
 
 import pytest
 import torch
 
-os.environ.setdefault("DO_NOT_TRACK", "true")
-os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+from flows.environment import local_defaults
+
+local_defaults()  # as every entry point, before Prefect and MLflow load
 
 from pfl_tasks.config import parse_params  # noqa: E402
 from pfl_tasks.data import ClientSplit, FederatedData  # noqa: E402
@@ -101,7 +100,7 @@ def tiny_federation(data, algorithm, executor="vectorized", device="cpu", hp=Non
 
 def run_rounds(fed, state, start: int, stop: int):
     """Rounds `start` to `stop` inline (no Prefect: runs where only torch and the library are)."""
-    from pfl_tasks.engine.steps import InlineSteps, run_round
+    from pfl_tasks.engine.rounds import InlineSteps, run_round
 
     for r in range(start, stop):
         state = run_round(InlineSteps(2), fed, state, r)
@@ -227,7 +226,7 @@ def lsq_federation(algorithm, hp=None, steps=1, lr=0.05, rounds=300, executor="v
     """Run `algorithm` on the least-squares clients with full-batch local GD."""
     from pfl_tasks.algorithms import build
     from pfl_tasks.engine.federation import Federation
-    from pfl_tasks.engine.steps import InlineSteps, run_round
+    from pfl_tasks.engine.rounds import InlineSteps, run_round
 
     xs, ys = least_squares_clients()
     data = regression_data(xs, ys)
@@ -299,8 +298,8 @@ def background_server(args: list[str], health_url: str, log_path, env=None, time
 
 def listing_defaults(data: dict) -> dict:
     """`data` with every configured run's hyper-parameters listed under `algorithms`, as
-    `flows.stages` requires of a params file that DVC runs."""
-    from flows.stages import unlisted_defaults
+    `flows.dvc_yaml` requires of a params file that DVC runs."""
+    from flows.dvc_yaml import unlisted_defaults
     from pfl_tasks.algorithms import validate_params
 
     for run, keys in unlisted_defaults(validate_params(parse_params(data)), data).items():

@@ -15,7 +15,7 @@ from pfl_tasks.config import parse_params
 from pfl_tasks.data import FederatedData
 from pfl_tasks.engine.federation import Facts
 from pfl_tasks.engine.federation import Federation
-from pfl_tasks.engine.steps import InlineSteps, run_round
+from pfl_tasks.engine.rounds import InlineSteps, run_round
 from pfl_tasks.algorithms.lp_proj import PROJECTION
 from pfl_tasks.engine.streams import run_seed
 

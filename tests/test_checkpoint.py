@@ -9,7 +9,7 @@ import torch
 from conftest import tiny_params, tracking
 from pfl_tasks.config import parse_params
 from pfl_tasks.engine.checkpoint import load_checkpoint, save_checkpoint
-from pfl_tasks.engine.steps import InlineSteps
+from pfl_tasks.engine.rounds import InlineSteps
 from pfl_tasks.errors import CheckpointError
 from pfl_tasks.runs import RunPaths
 from pfl_tasks.training import train_run

@@ -26,7 +26,7 @@ from pfl_tasks.algorithms import ALGORITHMS, build
 from pfl_tasks.config import parse_params
 from pfl_tasks.data import FederatedData
 from pfl_tasks.engine.federation import Federation, RunState
-from pfl_tasks.engine.steps import InlineSteps, run_round
+from pfl_tasks.engine.rounds import InlineSteps, run_round
 from pfl_tasks.algorithms.l2sgd import COMMUNICATE
 from pfl_tasks.engine.streams import round_generator
 

@@ -13,7 +13,7 @@ import yaml
 
 from conftest import background_server, free_port, listing_defaults, mlflow_uri, tiny_params
 from flows.stage import OUR_SERVER
-from flows.stages import dvc_yaml
+from flows.dvc_yaml import dvc_yaml
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]

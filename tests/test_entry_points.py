@@ -89,3 +89,25 @@ def test_a_config_error_answers_before_prefect_mlflow_and_torch_load(tmp_path, m
     assert said[0].startswith(f"{stage} failed: ") and expected in said[0]
     assert not {"prefect", "mlflow"} & imported
     assert ("torch" in imported) == (case == "hyper-parameter")
+
+
+def test_importing_a_flow_changes_no_environment_and_each_entry_point_sets_its_defaults():
+    """A library user who imports a flow keeps their environment; `python -m flows.<name>` sets
+    the local defaults (no telemetry, quiet Prefect) before Prefect and MLflow load."""
+    from flows.environment import ALWAYS
+
+    modules = sorted(p.stem for p in (REPO / "flows").glob("*.py") if p.stem not in ("__init__", "environment"))
+    code = ("import os, sys, importlib; before = dict(os.environ)\n"
+            f"for m in {modules!r}: importlib.import_module('flows.' + m)\n"
+            "changed = sorted(k for k in set(os.environ) | set(before) if os.environ.get(k) != before.get(k))\n"
+            "sys.exit(f'changed {changed}' if changed else 0)")
+    clean = {k: v for k, v in os.environ.items() if k not in ALWAYS and not k.startswith("PREFECT_SERVER")}
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=clean, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    mains = [p.stem for p in (REPO / "flows").glob("*.py") if 'if __name__ == "__main__":' in p.read_text()]
+    for name in mains:
+        text = (REPO / "flows" / f"{name}.py").read_text()
+        first_heavy = min(text.find(f"\n{word}") for word in ("from prefect", "import mlflow", "from pfl_tasks",
+                                                              "from flows.stage ", "import psutil", "from flows.pipeline")
+                          if text.find(f"\n{word}") > 0)
+        assert 0 < text.find("    local_defaults()") < first_heavy, f"flows/{name}.py sets its defaults late"

@@ -16,7 +16,7 @@ from pfl_tasks.data import FederatedData
 from pfl_tasks.engine.executor import batch_schedule
 from pfl_tasks.engine.federation import Federation, RunState
 from pfl_tasks.engine.state import gather
-from pfl_tasks.engine.steps import InlineSteps, run_round
+from pfl_tasks.engine.rounds import InlineSteps, run_round
 from pfl_tasks.algorithms.fedrep import HEAD as HEAD_STREAM
 from pfl_tasks.algorithms.l2sgd import COMMUNICATE
 from pfl_tasks.engine.streams import LOCAL, round_generator

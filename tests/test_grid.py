@@ -222,7 +222,7 @@ def test_each_help_example_of_the_sweep_is_a_valid_sweep_of_params_yaml(argv, mo
     """The examples run as written: each is parsed and its grid checked against params.yaml,
     all the sweep does before training."""
     import flows.sweep
-    from pfl_tasks.imports import ROOT
+    from pfl_tasks.code_deps import ROOT
 
     monkeypatch.chdir(ROOT)
     started = []

@@ -19,7 +19,7 @@ from pfl_tasks.config import load_params, parse_params
 from pfl_tasks.data import load_partition
 from pfl_tasks.data.store import MANIFEST, TABLE, _sha256, sealed
 from pfl_tasks.engine.checkpoint import load_checkpoint
-from pfl_tasks.engine.steps import InlineSteps
+from pfl_tasks.engine.rounds import InlineSteps
 from pfl_tasks.errors import ConfigError, DataValidationError, OutputLockedError, TrackingError
 from pfl_tasks.files import UMASK, OutputLock, atomic_write_text
 from pfl_tasks.runs import RunPaths
@@ -454,7 +454,7 @@ def leaves(tree):
 
 @pytest.mark.parametrize("algorithm, hp", [("fedavg", {}), ("ditto", {"mu": 0.1})])
 def test_aggregation_uses_exactly_the_clients_that_reported(digits, monkeypatch, algorithm, hp):
-    from pfl_tasks.engine.steps import run_round
+    from pfl_tasks.engine.rounds import run_round
 
     flaky = federation_of(digits, algorithm, hp, dropout=0.5)
     reported = flaky.sample_clients(0)
@@ -484,7 +484,7 @@ def test_aggregation_uses_exactly_the_clients_that_reported(digits, monkeypatch,
 @pytest.mark.parametrize("algorithm", sorted(__import__("pfl_tasks.algorithms", fromlist=["ALGORITHMS"]).ALGORITHMS))
 def test_every_algorithm_survives_half_its_clients_dropping(digits, algorithm):
     from pfl_tasks.algorithms import ALGORITHMS
-    from pfl_tasks.engine.steps import run_round
+    from pfl_tasks.engine.rounds import run_round
 
     if ALGORITHMS[algorithm].full_participation:  # refused up front, naming the key
         with pytest.raises(ConfigError, match=rf"experiments.tiny.federation.dropout: {algorithm} needs every client"):

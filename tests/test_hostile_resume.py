@@ -16,7 +16,7 @@ from flows.prepare import prepare
 from flows.tables import build_table
 from pfl_tasks.config import parse_params
 from pfl_tasks.engine.checkpoint import load_checkpoint, save_checkpoint
-from pfl_tasks.engine.steps import InlineSteps
+from pfl_tasks.engine.rounds import InlineSteps
 from pfl_tasks.errors import CheckpointError
 from pfl_tasks.reports import best_line, configured_runs, write_report
 from pfl_tasks.runs import RunPaths

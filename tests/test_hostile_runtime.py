@@ -21,7 +21,7 @@ from flows.stage import stage_main
 from flows.train import main
 from pfl_tasks.config import parse_params
 from pfl_tasks.engine.checkpoint import load_checkpoint, save_checkpoint
-from pfl_tasks.engine.steps import InlineSteps
+from pfl_tasks.engine.rounds import InlineSteps
 from pfl_tasks.errors import ComparisonError, OutputLockedError, RunStopped
 from pfl_tasks.files import OutputLock
 from pfl_tasks.reports import configured_runs

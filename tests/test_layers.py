@@ -9,11 +9,11 @@ import pytest
 import pfl_tasks.algorithms  # noqa: F401  (registers every algorithm)
 from pfl_tasks.algorithms.registry import ALGORITHMS
 from pfl_tasks.engine.executor import LocalTrainer
-from pfl_tasks.imports import ROOT
+from pfl_tasks.code_deps import ROOT
 
 # lowest first; a module may import from its own layer and those below it
 LAYERS = [
-    ("pfl_tasks.errors", "pfl_tasks.files", "pfl_tasks.imports"),
+    ("pfl_tasks.errors", "pfl_tasks.files", "pfl_tasks.code_deps"),
     ("pfl_tasks.config", "pfl_tasks.grid"),
     ("pfl_tasks.data",),
     ("pfl_tasks.nets",),

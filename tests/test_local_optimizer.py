@@ -11,7 +11,7 @@ from pfl_tasks.algorithms import build
 from pfl_tasks.config import parse_params
 from pfl_tasks.data import FederatedData
 from pfl_tasks.engine.federation import Federation
-from pfl_tasks.engine.steps import InlineSteps, run_round
+from pfl_tasks.engine.rounds import InlineSteps, run_round
 
 ADAM = {"name": "adam", "lr": 0.05, "weight_decay": 0.01}
 STEPS = 3

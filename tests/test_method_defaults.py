@@ -16,7 +16,7 @@ from pfl_tasks.algorithms import build
 from pfl_tasks.config import parse_params
 from pfl_tasks.data import FederatedData
 from pfl_tasks.engine.federation import Federation
-from pfl_tasks.engine.steps import InlineSteps, run_round
+from pfl_tasks.engine.rounds import InlineSteps, run_round
 
 ROUNDS = 30
 MARGIN = 0.08  # FedAvg's global model scores 0.85 here; every personalized method 0.93 or more

@@ -12,7 +12,7 @@ from pfl_tasks.algorithms import validate_params
 from pfl_tasks.config import parse_params
 from pfl_tasks.data import load_partition, partition_dir, write_partition
 from pfl_tasks.data.store import MANIFEST, TABLE
-from pfl_tasks.engine.steps import InlineSteps
+from pfl_tasks.engine.rounds import InlineSteps
 from pfl_tasks.errors import ConfigError
 from pfl_tasks.runs import RunPaths
 from pfl_tasks.training import train_run

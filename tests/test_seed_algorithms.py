@@ -70,7 +70,7 @@ def run_on(data, algorithm, hp=None, rounds=25):
     from pfl_tasks.algorithms import build
     from pfl_tasks.config import parse_params
     from pfl_tasks.engine.federation import Federation
-    from pfl_tasks.engine.steps import InlineSteps, run_round
+    from pfl_tasks.engine.rounds import InlineSteps, run_round
 
     params = parse_params(tiny_params(
         model={"kind": "mlp", "hidden": [16]}, federation={"rounds": rounds},
@@ -189,7 +189,7 @@ def test_apfl_adaptive_alpha_follows_its_gradient_formula():
         mix = alpha[k] * v[k] + (1 - alpha[k]) * theta
         g_mix = 2 * x.T @ (x @ mix - y) / len(y)
         expected.append(alpha[k] - 0.001 * torch.dot(v[k] - theta, g_mix))
-    from pfl_tasks.engine.steps import InlineSteps, run_round
+    from pfl_tasks.engine.rounds import InlineSteps, run_round
 
     before = state.clients["alpha"].clone()  # the round updates client stacks in place
     after = run_round(InlineSteps(1), fed, state, 5)
@@ -209,7 +209,7 @@ def l2sgd_rounds(seed=0, p=0.5, n=40):
 def test_l2sgd_expected_step_is_exactly_a_gradient_step_on_its_objective():
     """(1-p) * local branch + p * averaging branch = Theta - lr grad F(Theta), F = f + lam phi."""
     from pfl_tasks.engine.federation import RunState
-    from pfl_tasks.engine.steps import InlineSteps, run_round
+    from pfl_tasks.engine.rounds import InlineSteps, run_round
 
     lam, p, lr = 2.0, 0.3, 0.2
     coins = l2sgd_rounds(p=p)
@@ -231,7 +231,7 @@ def test_l2sgd_expected_step_is_exactly_a_gradient_step_on_its_objective():
 
 
 def l2sgd_average_iterate(lam, lr, rounds=1500, tail=1000):
-    from pfl_tasks.engine.steps import InlineSteps, run_round
+    from pfl_tasks.engine.rounds import InlineSteps, run_round
 
     xs, ys, fed, state = lsq_federation("l2sgd", {"lam": lam, "p": 0.5, "lr": lr}, rounds=0)
     total = 0
@@ -301,7 +301,7 @@ def test_fpfc_recovers_hidden_groups_without_their_number():
     from pfl_tasks.algorithms import build
     from pfl_tasks.config import parse_params
     from pfl_tasks.engine.federation import Federation
-    from pfl_tasks.engine.steps import InlineSteps, run_round
+    from pfl_tasks.engine.rounds import InlineSteps, run_round
 
     xs, ys, groups = grouped_regression_clients()
     params = parse_params(tiny_params(
@@ -330,7 +330,7 @@ def test_fpfc_partial_participation_updates_only_active_pairs():
     from pfl_tasks.algorithms import build
     from pfl_tasks.config import parse_params
     from pfl_tasks.engine.federation import Federation
-    from pfl_tasks.engine.steps import InlineSteps, run_round
+    from pfl_tasks.engine.rounds import InlineSteps, run_round
 
     xs, ys, _ = grouped_regression_clients()
     params = parse_params(tiny_params(
@@ -411,7 +411,7 @@ def test_fedcr_without_alignment_or_noise_is_a_gradient_step_on_its_predictions_
     from pfl_tasks.config import parse_params
     from pfl_tasks.data import FederatedData
     from pfl_tasks.engine.federation import Federation
-    from pfl_tasks.engine.steps import InlineSteps, run_round
+    from pfl_tasks.engine.rounds import InlineSteps, run_round
 
     full = shared_representation_clients(n_clients=1)
     data = FederatedData("one", "classification", 3, (8,), full.train, full.train, full.train, "one")
@@ -439,7 +439,7 @@ def test_apfl_iterate_averages_match_a_brute_force_running_average():
     from pfl_tasks.algorithms import build
     from pfl_tasks.config import parse_params
     from pfl_tasks.engine.federation import Federation
-    from pfl_tasks.engine.steps import InlineSteps, run_round
+    from pfl_tasks.engine.rounds import InlineSteps, run_round
 
     xs, ys = least_squares_clients()
     params = parse_params(tiny_params(
@@ -495,7 +495,7 @@ def test_pfedme_restarts_the_personal_model_from_the_received_model_each_round()
     change that round's outcome."""
     from dataclasses import replace
 
-    from pfl_tasks.engine.steps import InlineSteps, run_round
+    from pfl_tasks.engine.rounds import InlineSteps, run_round
 
     data = shared_representation_clients()
     fed, state = run_on(data, "pfedme", rounds=2)

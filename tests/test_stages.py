@@ -5,14 +5,14 @@ import pytest
 import yaml
 
 from conftest import listing_defaults
-from flows.stages import dvc_yaml, stages
+from flows.dvc_yaml import dvc_yaml, stages
 from pfl_tasks.errors import ConfigError
-from pfl_tasks.imports import ROOT, numeric_code
+from pfl_tasks.code_deps import ROOT, numeric_code
 
 
 def test_the_committed_dvc_yaml_is_what_params_yaml_gives():
     assert (ROOT / "dvc.yaml").read_text() == dvc_yaml(str(ROOT / "params.yaml")), \
-        "dvc.yaml is stale: python -m flows.stages"
+        "dvc.yaml is stale: python -m flows.dvc_yaml"
 
 
 def test_the_default_pipeline_trains_learn2pfed_downstream_of_a_trained_checkpoint():

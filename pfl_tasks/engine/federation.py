@@ -2,7 +2,7 @@
 aggregate, evaluate) over an algorithm's surface (`pfl_tasks.algorithms.base.Algorithm`).
 
 Each step is a plain method, so a Prefect flow can wrap each as a task and the inline steps
-(`pfl_tasks.engine.steps`) call them directly. The server state and the samples
+(`pfl_tasks.engine.rounds`) call them directly. The server state and the samples
 live on the engine's device; the client stacks on the device too when `engine.client_state`
 says so, otherwise on the host (pinned when the device is a GPU), a chunk's rows moving up
 only while that chunk trains or is evaluated.

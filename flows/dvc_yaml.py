@@ -1,14 +1,14 @@
 """Writes dvc.yaml from params.yaml: one `train-<experiment>` stage per experiment, each one
 process (one start-up for all its runs). Each stage depends on the params keys its runs read,
-on the code that can change their numbers (`pfl_tasks.imports.numeric_code`) and on the
+on the code that can change their numbers (`pfl_tasks.code_deps.numeric_code`) and on the
 training loop, and its flow skips every run whose checkpoint is finished under the same
 identity: editing one algorithm's module retrains only that algorithm's runs (and reruns the
 reports after them), and editing the flows, the MLflow store, run outputs or reports reruns
 no train stage. `make run` writes it before
 `dvc repro`; after changing an experiment's list of algorithms, run it yourself:
 
-    python -m flows.stages            # dvc.yaml from params.yaml
-    python -m flows.stages --check    # exit 1 if dvc.yaml is not what params.yaml gives
+    python -m flows.dvc_yaml            # dvc.yaml from params.yaml
+    python -m flows.dvc_yaml --check    # exit 1 if dvc.yaml is not what params.yaml gives
 """
 
 from __future__ import annotations
@@ -19,18 +19,22 @@ from pathlib import Path
 
 import yaml
 
-import flows  # noqa: F401  (environment defaults)
+from flows.environment import local_defaults
+
+if __name__ == "__main__":  # before Prefect and MLflow load: they read their settings then
+    local_defaults()
+
 from flows.learn2pfed import learn2pfed_code
 from flows.stage import stage_main, stage_name
 from pfl_tasks.algorithms import hyper_parameters, source_file, validate_params
 from pfl_tasks.config import load_params, read_params
 from pfl_tasks.errors import ConfigError
 from pfl_tasks.files import atomic_write_text
-from pfl_tasks.imports import ROOT, numeric_code, run_code
+from pfl_tasks.code_deps import ROOT, numeric_code, run_code
 from pfl_tasks.tuning import tuning_path
 
 HEADER = """\
-# Written by `python -m flows.stages` from params.yaml (`make run` does it first): edit params.yaml,
+# Written by `python -m flows.dvc_yaml` from params.yaml (`make run` does it first): edit params.yaml,
 # not this file. `dvc repro` runs prepare-<dataset> -> tune-, train-<experiment> -> learn2pfed-<experiment>
 # -> tables, compare; each stage is a thin call into flows/ and depends on the params keys its runs
 # read and the source files that can change their numbers.
@@ -175,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.check:
             write_dvc_yaml(args.params, out)
         elif not out.exists() or out.read_text() != dvc_yaml(args.params):
-            raise ConfigError(f"{out} is not what {args.params} gives: run `python -m flows.stages`")
+            raise ConfigError(f"{out} is not what {args.params} gives: run `python -m flows.dvc_yaml`")
 
     return stage_main("stages", work)
 

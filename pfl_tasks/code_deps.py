@@ -2,7 +2,7 @@
 deps (its DVC stage's) and the code part of its identity (its checkpoint's).
 
 A run's numbers come from the round runtime (`pfl_tasks/engine/federation.py` and
-`pfl_tasks/engine/steps.py`: config, data, nets and engine), the selection rules that pick its
+`pfl_tasks/engine/rounds.py`: config, data, nets and engine), the selection rules that pick its
 reported round (`pfl_tasks/selection.py`) and its own algorithm's module with what that
 imports, the algorithm base among it (`numeric_code`). The training loop, MLflow store, run
 outputs, reports and flows around them are plumbing: an edit there changes no number, so it
@@ -20,7 +20,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("pfl_tasks", "flows")
 REGISTRATION = ROOT / "pfl_tasks" / "algorithms" / "__init__.py"
-ROUND_RUNTIME = (ROOT / "pfl_tasks" / "engine" / "federation.py", ROOT / "pfl_tasks" / "engine" / "steps.py")
+ROUND_RUNTIME = (ROOT / "pfl_tasks" / "engine" / "federation.py", ROOT / "pfl_tasks" / "engine" / "rounds.py")
 SELECTION = ROOT / "pfl_tasks" / "selection.py"  # which evaluation a run reports
 
 
