@@ -33,7 +33,7 @@ from typing import Annotated
 import torch
 import torch.nn.functional as F
 from pydantic import Field
-from torch.func import functional_call, grad
+from torch.func import functional_call
 
 from pfl_tasks.algorithms.base import Algorithm, HyperParams, SharedBody
 from pfl_tasks.algorithms.registry import register
@@ -141,8 +141,7 @@ class FedCR(SharedBody, Algorithm):
             return ((loss + hp.beta * kl) * batch_.weight).sum(), (mu, var)
 
         def step(carry, data_loss, aux, batch_):
-            batch_.record_pass()
-            g, (mu, var) = grad(objective, has_aux=True)(carry["params"], batch_)
+            g, (mu, var) = batch_.grad(objective, has_aux=True)(carry["params"], batch_)
             if hp.clip_norm is not None:  # as torch.nn.utils.clip_grad_norm_, on the client's whole gradient
                 norm = torch.sqrt(sum((t**2).sum() for t in g.values()))
                 g = {n: t * torch.clamp(hp.clip_norm / (norm + 1e-6), max=1.0) for n, t in g.items()}

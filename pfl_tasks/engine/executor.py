@@ -40,16 +40,25 @@ class Batch:
     """One client's minibatch inside a `scan` step (a whole stack's, in a `clientwise` step):
     `weight` sums to 1 over real rows (0 on padding), `extra` holds this step's slice of the
     `per_step` tensors. `data_grad(params)` is the gradient of the data loss on this batch at
-    `params` (fresh tensors, the caller's to overwrite), one forward-backward pass counted; a
-    step that takes gradients otherwise calls `record_pass()` once per pass over the batch, for
-    the compute accounting."""
+    `params` (fresh tensors, the caller's to overwrite); `grad(loss, has_aux)` is
+    `torch.func.grad` of a loss of the step's own over this batch (a custom forward pass). Each
+    call of either is one forward-backward pass, counted by the engine for the compute."""
 
     x: torch.Tensor
     y: torch.Tensor
     weight: torch.Tensor
     extra: Tree
-    record_pass: Callable[[], None]
+    _record_pass: Callable[[], None]
     data_grad: Callable[[Params], Params]
+
+    def grad(self, loss: Callable, has_aux: bool = False) -> Callable:
+        gradient = grad(loss, has_aux=has_aux)
+
+        def counted(*args):
+            self._record_pass()
+            return gradient(*args)
+
+        return counted
 
 
 def clientwise(fn):
