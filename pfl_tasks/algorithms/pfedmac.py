@@ -34,9 +34,6 @@ from pydantic import Field
 from pfl_tasks.algorithms.base import HyperParams
 from pfl_tasks.algorithms.pfedme import PFedMe
 from pfl_tasks.algorithms.registry import register
-from pfl_tasks.engine import optim
-from pfl_tasks.engine.executor import clientwise
-from pfl_tasks.engine.state import broadcast
 
 
 class PFedMacHyper(HyperParams):
@@ -54,27 +51,22 @@ def soft_threshold(x: torch.Tensor, tau: float) -> torch.Tensor:
 
 @register
 class PFedMac(PFedMe):
-    """Shares pFedMe's personal-model state, beta-smoothing server rule and views."""
+    """pFedMe's local step, state, beta-smoothing server rule and views, with its own personal
+    update: theta_k is the shared model there, omega_k the personal one."""
 
     name = "pfedmac"
     citation = "Li et al., arXiv:2107.05330"
     Hyper = PFedMacHyper
 
-    def client_update(self, trainer, payload, state):
-        hp, cfg = self.hp, trainer.local.optimizer
+    def personal_step(self, batch, shared, personal):
+        """Proximal gradient on f_k(omega) - lam <omega, theta> + gamma ||omega||_1."""
+        omega, lr = dict(personal), self.hp.personal_lr
+        for _ in range(self.hp.inner_steps):
+            g = batch.data_grad(omega)
+            for k in omega:  # g is ours to overwrite: omega - lr (g - lam theta), then the l1 prox
+                moved = torch.add(omega[k], g[k].sub_(shared[k], alpha=self.hp.lam), alpha=-lr)
+                omega[k] = soft_threshold(moved, lr * self.hp.gamma)
+        return omega
 
-        @clientwise
-        def step(carry, data_loss, aux, batch):
-            theta, omega, lr = carry["theta"], dict(carry["personal"]), hp.personal_lr
-            for _ in range(hp.inner_steps):  # proximal gradient on f_k(omega) - lam <omega, theta>
-                g = batch.data_grad(omega)
-                for k in omega:  # g is ours to overwrite: omega - lr (g - lam theta), then the l1 prox
-                    moved = torch.add(omega[k], g[k].sub_(theta[k], alpha=hp.lam), alpha=-lr)
-                    omega[k] = soft_threshold(moved, lr * hp.gamma)
-            pull = {k: hp.lam * (theta[k] - omega[k]) for k in theta}
-            theta, opt = optim.apply(cfg, theta, pull, carry["opt"])
-            return {"theta": theta, "personal": omega, "opt": opt}
-
-        received = broadcast(payload["global"], trainer.n_clients)
-        out = trainer.scan({"theta": received, "personal": state["personal"], "opt": optim.start(cfg, received)}, step)
-        return {"params": out["theta"]}, {"personal": out["personal"]}
+    def personal_start(self, received, state):
+        return state["personal"]  # warm-started across rounds (module doc)

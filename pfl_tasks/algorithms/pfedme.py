@@ -47,23 +47,36 @@ class PFedMe(PersonalModels, Algorithm):
     citation = "Dinh et al., NeurIPS 2020"
     Hyper = PFedMeHyper
 
+    def personal_step(self, batch, shared, personal):
+        """pFedMe's prox update: `inner_steps` gradient steps on f_k(personal) + lam/2
+        ||personal - shared||^2, warm-started at the personal model the scan carries."""
+        personal = {k: v.clone() for k, v in personal.items()}
+        for _ in range(self.hp.inner_steps):  # in place
+            g = batch.data_grad(personal)
+            for k, t in personal.items():
+                t.add_(g[k].add_(t - shared[k], alpha=self.hp.lam), alpha=-self.hp.personal_lr)
+        return personal
+
+    def personal_start(self, received, state):
+        return received  # as the authors' code: both models start from the global one each round
+
     def client_update(self, trainer, payload, state):
+        """Per local step, the personal model's update (`personal_step`), then a step of the
+        local optimizer on the shared model along lam (shared - personal): pFedMe's envelope
+        gradient, pFedMac's correlation pull. Sends the shared model."""
         hp, cfg = self.hp, trainer.local.optimizer
 
         @clientwise
         def step(carry, data_loss, aux, batch):
-            omega, theta = carry["omega"], {k: v.clone() for k, v in carry["personal"].items()}
-            for _ in range(hp.inner_steps):  # gradient steps on f_k(theta) + lam/2 ||theta - omega||^2, in place
-                g = batch.data_grad(theta)
-                for k, t in theta.items():
-                    t.add_(g[k].add_(t - omega[k], alpha=hp.lam), alpha=-hp.personal_lr)
-            envelope_grad = {k: hp.lam * (omega[k] - theta[k]) for k in omega}
-            omega, opt = optim.apply(cfg, omega, envelope_grad, carry["opt"])
-            return {"omega": omega, "personal": theta, "opt": opt}
+            shared, personal = carry["shared"], self.personal_step(batch, carry["shared"], carry["personal"])
+            pull = {k: hp.lam * (shared[k] - personal[k]) for k in shared}
+            shared, opt = optim.apply(cfg, shared, pull, carry["opt"])
+            return {"shared": shared, "personal": personal, "opt": opt}
 
         received = broadcast(payload["global"], trainer.n_clients)
-        out = trainer.scan({"omega": received, "personal": received, "opt": optim.start(cfg, received)}, step)
-        return {"params": out["omega"]}, {"personal": out["personal"]}
+        out = trainer.scan({"shared": received, "personal": self.personal_start(received, state),
+                            "opt": optim.start(cfg, received)}, step)
+        return {"params": out["shared"]}, {"personal": out["personal"]}
 
     def aggregate(self, server, messages, weights, ids):
         return {"global": smooth(server["global"], messages["params"], self.hp.beta)}
