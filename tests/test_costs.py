@@ -20,13 +20,16 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from torch.func import grad
 
 from conftest import split_from, tiny_params
 from pfl_tasks.algorithms import ALGORITHMS, build
 from pfl_tasks.config import parse_params
 from pfl_tasks.data import FederatedData
 from pfl_tasks.engine.federation import Federation, RunState
+from pfl_tasks.engine.executor import clientwise
 from pfl_tasks.engine.rounds import InlineSteps, run_round
+from pfl_tasks.engine.state import broadcast
 from pfl_tasks.algorithms.l2sgd import COMMUNICATE
 from pfl_tasks.engine.streams import round_generator
 
@@ -112,7 +115,15 @@ CASES = [
      Cost(FIT, K * FLOAT * (BODY + ENCODER + 2 * CLASSES * HIDDEN + CLASSES),
           K * FLOAT * (BODY + ENCODER + 2 * CLASSES * HIDDEN)), None),
 ]
-EXECUTORS = ["vectorized", "sequential"]
+# "vectorized-generic": the vectorized executor on its paths for any net (vmap and autograd),
+# which the MLP otherwise skips for its hand-written stacked passes
+EXECUTORS = ["vectorized", "vectorized-generic", "sequential"]
+
+
+@pytest.fixture(autouse=True)
+def executor_paths(request, monkeypatch):
+    if getattr(request.node, "callspec", None) and request.node.callspec.params.get("executor") == "vectorized-generic":
+        monkeypatch.setattr("pfl_tasks.engine.executor.stackable", lambda net: False)
 
 
 def dataset() -> FederatedData:
@@ -137,7 +148,7 @@ def federation(algorithm: str, hp: dict, executor: str, **federation_overrides) 
         federation={"rounds": 1, **federation_overrides},
     ))
     exp = params.experiment("tiny").model_copy(
-        update={"engine": params.engine.model_copy(update={"executor": executor, "chunk_size": 3})})
+        update={"engine": params.engine.model_copy(update={"executor": executor.split("-")[0], "chunk_size": 3})})
     return Federation(exp, build(algorithm, hp), DATA)
 
 
@@ -222,3 +233,40 @@ def test_l2sgd_sends_the_mean_down_only_when_an_averaging_step_is_due(due, execu
     fed = federation("l2sgd", {}, executor)
     after = one_round(fed, pending(due), coin_round(False))
     assert after.bytes_down == (MODEL if due else 0)
+
+
+def unmarked(data_loss, params, aux):
+    """An objective with neither `penalized` nor `clientwise`: autograd on the whole stack."""
+    return data_loss(params) + 0.5 * sum((v**2).sum() for v in params.values())
+
+
+@clientwise
+def loss_step(carry, data_loss, aux, batch):
+    """A clientwise step that differentiates the data loss itself (no `data_grad`): one pass."""
+    g = grad(data_loss)(carry)
+    return {k: v - 0.1 * g[k] for k, v in carry.items()}
+
+
+def custom_step(carry, data_loss, aux, batch):
+    """A step with a loss of its own on the batch (FedCR's way), through `batch.grad`: one pass."""
+    def loss(p):
+        return sum(((v - batch.x.mean()) ** 2).sum() for v in p.values())
+
+    g = batch.grad(loss)(carry)
+    return {k: v - 0.1 * g[k] for k, v in carry.items()}
+
+
+@pytest.mark.parametrize("executor", EXECUTORS)
+def test_a_method_of_ones_own_is_counted_on_every_path(executor):
+    """The engine counts the passes of any local work, not only the registered methods': an
+    unmarked objective, a clientwise step that calls the data loss, a step with its own loss."""
+    from pfl_tasks.engine.executor import make_trainer
+
+    fed = federation("fedavg", {}, executor)
+    params = broadcast(fed.initial_state().server["global"], K)
+    for work in (lambda t: t.fit(params, unmarked), lambda t: t.scan(params, loss_step),
+                 lambda t: t.scan(params, custom_step)):
+        trainer = make_trainer(executor.split("-")[0], fed.fresh_net(), fed.task, fed.train, torch.arange(K),
+                               fed.exp.local, 0, 0)
+        work(trainer)
+        assert trainer.grad_samples == FIT
