@@ -27,7 +27,7 @@ from pfl_tasks.config import LocalConfig
 from pfl_tasks.data import ClientSplit
 from pfl_tasks.engine import optim
 from pfl_tasks.engine.state import Params, Stack, Tree, to_device, tree_map, tree_zip
-from pfl_tasks.engine.streams import LOCAL, Stream, StreamKey
+from pfl_tasks.engine.streams import LOCAL, Stream, StreamKey, client_keys, row_hashes
 from pfl_tasks.nets import frozen_prefix, stackable, stacked_backward, stacked_forward
 
 DataLoss = Callable[[Params], torch.Tensor]
@@ -113,13 +113,6 @@ class StepPlan:
     samples: int
 
 
-def _mix(x: np.ndarray) -> np.ndarray:
-    """SplitMix64's finalizer: a counter-based hash of uint64 (wrapping arithmetic)."""
-    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return x ^ (x >> np.uint64(31))
-
-
 def batch_schedule(
     counts: torch.Tensor, client_ids: torch.Tensor, local: LocalConfig, seed: int,
     round_idx: int, stream: int,
@@ -133,14 +126,9 @@ def batch_schedule(
     b = n if local.batch_size is None else n.clamp(max=local.batch_size)
     steps = torch.full_like(n, local.steps) if local.steps is not None else local.epochs * -(-n // b)
     epochs = -(-(steps * b) // n)  # permutations each client needs
-    with np.errstate(over="ignore"):
-        key = np.uint64(seed)
-        for part in (round_idx, stream):
-            key = _mix(np.asarray(key ^ np.uint64(part)) + np.uint64(0x9E3779B97F4A7C15))
-        keys = _mix((client_ids.numpy().astype(np.uint64) ^ key) + np.uint64(0x9E3779B97F4A7C15))
-        r = np.arange(int(epochs.max()), dtype=np.uint64)[:, None] << np.uint64(32)
-        j = np.arange(int(n.max()), dtype=np.uint64)[None, :]
-        hashes = _mix(keys[:, None, None] ^ _mix(r + j + np.uint64(1)))  # [K, R, N]
+    r = np.arange(int(epochs.max()), dtype=np.uint64)[:, None] << np.uint64(32)
+    j = np.arange(int(n.max()), dtype=np.uint64)[None, :]
+    hashes = row_hashes(client_keys(seed, round_idx, stream, client_ids.numpy()), r + j)  # [K, R, N]
     not_its_rows = np.arange(hashes.shape[-1]) >= n.numpy()[:, None, None]
     hashes = np.where(not_its_rows, np.iinfo(np.uint64).max, hashes)  # sorted last
     perms = torch.from_numpy(np.argsort(hashes, axis=-1, kind="stable"))  # row r: a permutation of 0..n_k-1 first
