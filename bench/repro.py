@@ -105,12 +105,29 @@ print(json.dumps(times))
     return {"one_round_s": times["1"], "rounds_120_s": times["120"]}
 
 
+def host_speed() -> float:
+    """The 1-thread matmul GFLOP/s of this host now (`bench.run.matmul_gflops`)."""
+    import torch
+
+    from bench.run import matmul_gflops
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return matmul_gflops(5)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def markdown(r: dict) -> str:
     lines = [f"# Whole pipeline {r['date']} on {r['host']} ({r['cores']} cores), params {r['params']}", "",
              f"- `make run` (`python -m flows.repro`), fresh clone: **{r.get('total_s', float('nan')) / 60:.1f} min** "
              f"for {len(r['stages'])} stages{'' if r.get('finished') else ' (cut short)'}; "
              f"{r.get('console_lines', '?')} console lines",
              f"- a stage process's start (`import flows.train`): {r['stage_start_s']:.1f} s",
+             *([f"- this machine's 1-thread 1024² matmul, before and after: {r['matmul_gflops'][0]:.0f} and "
+                f"{r['matmul_gflops'][-1]:.0f} GFLOP/s (about 95 on an unloaded VM of this kind): a slower host "
+                "stretches every time above"] if r.get("matmul_gflops") else []),
              f"- a run's fixed cost (1-round poly1 FedAvg via Prefect, warm): {r['run_cost']['one_round_s']:.2f} s; "
              f"its 120-round run {r['run_cost']['rounds_120_s']:.2f} s"]
     if "edits" in r:
@@ -143,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.workdir:
         args.workdir.mkdir(parents=True, exist_ok=True)
     with contextlib.nullcontext(args.workdir) if args.workdir else tempfile.TemporaryDirectory() as tmp:
+        result["matmul_gflops"] = [host_speed()]
         result["stage_start_s"] = stage_start()
         (Path(tmp) / "cost").mkdir()
         result["run_cost"] = run_cost(Path(tmp) / "cost")
@@ -167,6 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         if current:
             result["stages"][current] = now - last
         result.update(total_s=now - start, console_lines=lines, finished=status == 0)
+        result["matmul_gflops"].append(host_speed())
         save()
         if status:
             print(f"make run failed with status {status}", file=sys.stderr)
