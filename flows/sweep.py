@@ -38,7 +38,7 @@ from pfl_tasks.algorithms import build, validate_params
 from pfl_tasks.config import SweepConfig, load_params, parse_params, read_params
 from pfl_tasks.errors import ConfigError, RunStopped
 from pfl_tasks.files import atomic_write_text
-from pfl_tasks.grid import parse_assignment, sweep_params
+from pfl_tasks.grid import parse_assignment, sweep_params, variant_runs
 from pfl_tasks.reports import best_line, best_per_method, interval, selection_metric, winner_on_validation
 from pfl_tasks.tracking import MlflowRun, open_store, tracking_uri
 
@@ -68,14 +68,19 @@ def sweep_flow(sweep: SweepConfig, root: str = ".") -> dict:
     if len(rankings) > 1:
         print(f"sweep {sweep.name}: every variant on every experiment: {root / 'reports' / 'markdown' / sweep.name}.md")
     if sweep.per_method:
-        method_of = {name: entry.get("algorithm", name) for name, entry in raw["algorithms"].items()}
-        best = best_per_method(rankings, method_of)
+        best = best_per_method(rankings, variant_runs(sweep.grid, swept_runs(sweep)))
         for method, (experiment, r) in best.items():
             print(f"sweep {sweep.name}: {method}: best on validation {r.method} in {experiment} ({r.val:.4f}); "
                   f"its test {interval(r.personalized)}")
         results["per_method"] = {method: {"experiment": e, "variant": r.method, "val": r.val}
                                  for method, (e, r) in best.items()}
     return results
+
+
+def swept_runs(sweep: SweepConfig) -> list[str]:
+    """The run names the sweep varies: its `algorithms`, else its experiment's (else every entry)."""
+    raw = read_params(sweep.params_path)
+    return sweep.algorithms or raw["experiments"][sweep.experiment].get("algorithms") or list(raw.get("algorithms") or {})
 
 
 def checked_sweep_params(sweep: SweepConfig) -> dict:

@@ -38,9 +38,7 @@ def sweep_params(sweep: SweepConfig) -> dict:
     for run, hyper in variants.items():
         base = {**algorithms.get(run, {}), **exp["algorithm_overrides"].pop(run, {})}
         names = []
-        for values in itertools.product(*hyper.values()):
-            setting = dict(zip(hyper, values))
-            name = "_".join([run, *(f"{hp}{label(v)}" for hp, v in setting.items())])
+        for name, setting in variants_of(run, hyper).items():
             if name in algorithms:
                 raise ConfigError(f"sweep.grid: algorithms.{run}: two values (or an existing entry) are named "
                                   f"'{name}': give distinct values")
@@ -70,6 +68,24 @@ def sweep_params(sweep: SweepConfig) -> dict:
         raw["tracking"] = tracking
     parse_params(raw)
     return raw
+
+
+def variants_of(run: str, hyper: dict[str, list]) -> dict[str, dict]:
+    """The variants a grid over run `run`'s hyper-parameters makes, by name (`ditto_mu0.1`)."""
+    out = {}
+    for values in itertools.product(*hyper.values()):
+        setting = dict(zip(hyper, values))
+        name = "_".join([run, *(f"{hp}{label(v)}" for hp, v in setting.items())])
+        if name in out:
+            raise ConfigError(f"sweep.grid: algorithms.{run}: two values are named '{name}': give distinct values")
+        out[name] = setting
+    return out
+
+
+def variant_runs(grid: dict[str, list], run_names: list[str]) -> dict[str, str]:
+    """Each variant the grid makes -> the run it varies: a sweep's methods are its runs (a
+    params entry such as `fedadam` is one, though its module is FedAvg's), each over its variants."""
+    return {name: run for run, hyper in split_grid(grid, run_names)[0].items() for name in variants_of(run, hyper)}
 
 
 def split_grid(grid: dict[str, list], run_names: list[str]) -> tuple[dict[str, dict[str, list]], dict[str, list]]:

@@ -228,3 +228,14 @@ def test_each_help_example_of_the_sweep_is_a_valid_sweep_of_params_yaml(argv, mo
     started = []
     monkeypatch.setattr(flows.sweep, "stage_main", lambda name, work: started.append(name) or 0)
     assert flows.sweep.main(argv) == 0 and started == ["sweep"]
+
+
+def test_a_sweeps_methods_are_its_runs_each_over_its_own_variants():
+    """`--per-method` groups a variant under the run it varies, never under the module behind
+    it: FedAvgM's and FedAdam's variants are theirs, though both entries run FedAvg's module."""
+    from pfl_tasks.grid import variant_runs
+
+    grid = {"algorithms.fedavgm.server_lr": [0.1, 0.3], "algorithms.fedadam.server_lr": [0.01],
+            "local.optimizer.lr": [0.1, 0.3]}
+    assert variant_runs(grid, ["fedavg", "fedavgm", "fedadam"]) == {
+        "fedavgm_server_lr0.1": "fedavgm", "fedavgm_server_lr0.3": "fedavgm", "fedadam_server_lr0.01": "fedadam"}
