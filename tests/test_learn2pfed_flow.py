@@ -79,6 +79,7 @@ def test_learn2pfed_head_on_upstream_body_resumes_and_lands_in_the_table(project
     assert {m.step for m in curve} == set(range(13))
     assert plateaued(store, run.info.run_id, "acc", VerdictConfig()) is not None
     # the tables stage's MLflow run records the rules its verdicts were judged by
-    (tables_run,) = store.search_runs([store.get_experiment_by_name("tables").experiment_id])
+    tables_run = store.search_runs([store.get_experiment_by_name("tables").experiment_id],  # the newest: the store is the session's
+                                   order_by=["attributes.start_time DESC"], max_results=1)[0]
     assert tables_run.data.params["verdicts.alpha"] == "0.05"
     assert tables_run.data.params["verdicts.plateau.window"] == "0.2"
