@@ -2,13 +2,20 @@
 authors' code), and the meta loss over clients (the paper's text) or over pooled rows (the
 authors' code), on the polynomial tasks (poly1-poly3 and their data-scarce variants), 3 seeds.
 
-Each (task, seed) trains Theta under both supervision signals with each of the four
-combinations, in this process (no Prefect, no MLflow: the library's meta-training as the
-`learn2pfed` stage runs it, on the same partitions). The choice is made on the validation MSE
-of `train`-supervised runs (whose meta loss never sees the validation split); test MSE of both
-signals is reported beside it, never chosen on.
+A third form, measured here only: `log-cholesky`, a full Lambda_i = L L^T + FLOOR I stepped on
+a scale that cannot jump. The library's full form steps L's entries on their plain scale, so
+Adam at lr 0.05 moves a diagonal of about 0.02 by 0.05 a step (its Lambda went from 4e-4 to
+about 0.3 in 10 steps); here L = diag(exp(s)) (I + N), N strictly lower triangular: each step
+scales a row of L by at most about exp(lr) and turns it by about lr, whatever its size.
 
-    python -m bench.learn2pfed_options            # about 10 minutes on 2 cores
+Each (task, seed) trains Theta under both supervision signals with each of the six
+combinations, in this process (no Prefect, no MLflow: the library's meta-training as the
+`learn2pfed` stage runs it, on the same partitions, its meta-epoch selected on validation as
+the stage selects it). The choice is made on the validation MSE of `train`-supervised runs
+(whose meta loss never sees the validation split); test MSE of both signals is reported beside
+it, never chosen on.
+
+    python -m bench.learn2pfed_options            # about 20 minutes on 2 cores
     python -m bench.learn2pfed_options --quick    # one task, one seed, 20 meta-epochs: a smoke run
 
 Writes bench/results/<date>-learn2pfed-options.{json,md}.
@@ -17,9 +24,11 @@ Writes bench/results/<date>-learn2pfed-options.{json,md}.
 from __future__ import annotations
 
 import argparse
+import copy
 import datetime
 import itertools
 import json
+import math
 import statistics
 import sys
 import time
@@ -27,15 +36,36 @@ from pathlib import Path
 
 import torch
 
-from pfl_tasks.algorithms.learn2pfed import Cells
-from pfl_tasks.algorithms.learn2pfed_meta import evaluate, make_optimizer, meta_epoch, padded_problem
+from pfl_tasks.algorithms.learn2pfed import FLOOR, Cells
+from pfl_tasks.algorithms.learn2pfed_meta import (
+    Best, client_metrics, evaluate, make_optimizer, meta_step, padded_problem, personalized_models, split_validation,
+)
 from pfl_tasks.config import load_params
 from pfl_tasks.estimate import built_partition
 
 RESULTS = Path(__file__).parent / "results"
 TASKS = {"params.yaml": ["poly1"],
          "params-extended.yaml": ["poly2", "poly3", "poly1_scarce", "poly2_scarce", "poly3_scarce"]}
-COMBOS = list(itertools.product(("diagonal", "full"), ("clients", "pooled")))
+COMBOS = list(itertools.product(("diagonal", "full", "log-cholesky"), ("clients", "pooled")))
+
+
+class LogCholeskyCells(Cells):
+    """The full form with L = diag(exp(s)) (I + N) (see the module doc), from the same start:
+    s = log sqrt(lam U), N = 0, so Lambda starts at the same diagonal."""
+
+    def __init__(self, *args):
+        super().__init__(*args, "full")
+        with torch.no_grad():
+            raw = self.raw["lam"]
+            raw.copy_(torch.diag_embed(raw.diagonal(dim1=-2, dim2=-1).log()))
+
+    def values(self, cell: int) -> dict[str, torch.Tensor]:
+        out = super().values(cell)
+        raw = self.raw["lam"][min(cell, len(self.raw["lam"]) - 1)]
+        eye = torch.eye(raw.shape[-1], dtype=raw.dtype)
+        factor = raw.diagonal(dim1=-2, dim2=-1).exp()[..., :, None] * (eye + raw.tril(-1))
+        out["lam"] = factor @ factor.transpose(-1, -2) + FLOOR * eye
+        return out
 
 
 def problems(params, experiment: str, seed: int, bias: bool):
@@ -51,16 +81,28 @@ def problems(params, experiment: str, seed: int, bias: bool):
                  ((data.train, "training"), (data.val, "validation"), (data.test, "test")))
 
 
-def one_run(cfg, train, supervise, val, test, seed: int) -> dict:
+def one_run(cfg, form: str, train, supervise, select, val, test, seed: int) -> dict:
+    """Theta meta-trained on the `supervise` rows, its meta-epoch selected on the `select` rows
+    as the stage selects it (every meta-epoch, and the last Theta); val and test MSE of that one."""
     w0 = torch.zeros(train.dim, dtype=torch.float64)
-    cells = Cells(train, cfg.cells, cfg.tied, cfg.init.model_dump(), torch.Generator().manual_seed(seed), cfg.lambda_)
-    opt = make_optimizer(cells, cfg.meta)
-    losses = [meta_epoch(cells, opt, cfg, e, train, supervise, w0)[0] for e in range(cfg.meta.epochs)]
-    if not all(map(torch.isfinite, map(torch.tensor, losses))):
-        return {"diverged": True}
+    args = (train, cfg.cells, cfg.tied, cfg.init.model_dump(), torch.Generator().manual_seed(seed))
+    cells = LogCholeskyCells(*args) if form == "log-cholesky" else Cells(*args, cfg.lambda_)
+    opt, best = make_optimizer(cells, cfg.meta), Best(higher_is_better=False)
+
+    def offer(epoch: int, v: torch.Tensor, state: dict) -> None:
+        best.offer(epoch, client_metrics(select, v)["mse"].mean().item(), state)
+
+    for epoch in range(cfg.meta.epochs):
+        state = copy.deepcopy(cells.state_dict())
+        loss, _, v = meta_step(cells, opt, cfg, epoch, train, supervise, w0)
+        if not math.isfinite(loss):
+            return {"diverged": True}
+        offer(epoch, v, state)
+    offer(cfg.meta.epochs, personalized_models(cells, train, w0, cfg), copy.deepcopy(cells.state_dict()))
+    cells.load_state_dict(best.state)
     mse = {split: evaluate(cells, train, problem, w0, cfg)["personalized"]["mse"].mean().item()
            for split, problem in (("val", val), ("test", test))}
-    return {"diverged": False, **mse, "meta_loss_last": losses[-1]}
+    return {"diverged": False, **mse, "selected_epoch": best.epoch, "meta_loss_last": loss}
 
 
 def measure(quick: bool) -> dict:
@@ -73,11 +115,13 @@ def measure(quick: bool) -> dict:
             for seed in seeds:
                 train, val, test = problems(params, experiment, seed, base.bias)
                 for (form, loss), supervision in itertools.product(COMBOS, ("train", "val")):
-                    cfg = base.model_copy(update={"lambda_": form, "meta_loss": loss})
+                    cfg = base.model_copy(update={"lambda_": "full" if form == "log-cholesky" else form,
+                                                  "meta_loss": loss})
                     if quick:
                         cfg = cfg.model_copy(update={"meta": cfg.meta.model_copy(update={"epochs": 20})})
                     start = time.perf_counter()
-                    out = one_run(cfg, train, train if supervision == "train" else val, val, test, seed)
+                    supervise, select = (train, val) if supervision == "train" else split_validation(val)[:2]
+                    out = one_run(cfg, form, train, supervise, select, val, test, seed)
                     rows.append({"task": experiment, "seed": seed, "lambda": form, "meta_loss": loss,
                                  "supervision": supervision, "seconds": time.perf_counter() - start, **out})
                     print(f"  {experiment} seed {seed} {form}/{loss} ({supervision}): "
@@ -97,7 +141,8 @@ def markdown(result: dict) -> str:
     rows = result["rows"]
     tasks = list(dict.fromkeys(r["task"] for r in rows))
     head = " | ".join(f"{form}/{loss}" for form, loss in COMBOS)
-    out = [f"# Learn2pFed: Lambda diagonal or full, meta loss over clients or pooled rows ({result['date']})", ""]
+    out = [f"# Learn2pFed: Lambda diagonal, full or log-Cholesky, meta loss over clients or pooled rows "
+           f"({result['date']})", "", "Every run at its meta-epoch selected on validation, as the stage selects it.", ""]
     for title, supervision, split in (("validation MSE, train-supervised (the choice is made here)", "train", "val"),
                                       ("test MSE, train-supervised", "train", "test"),
                                       ("test MSE, val-supervised", "val", "test")):
@@ -120,6 +165,10 @@ def markdown(result: dict) -> str:
                                               (task, *combo, "train")), 4) for combo in COMBOS}
         for combo, value in means.items():  # ties (to the 4 decimals shown) share their mean rank
             ranks[combo].append(sum(v < value for v in means.values()) + (sum(v == value for v in means.values()) + 1) / 2)
+    selected = {combo: [r["selected_epoch"] for r in rows if not r["diverged"] and r["supervision"] == "train"
+                        and (r["lambda"], r["meta_loss"]) == combo] for combo in COMBOS}
+    out += ["Selected meta-epochs of the train-supervised runs (median, range): " + ", ".join(
+        f"{form}/{loss} {statistics.median(e):.0f} ({min(e)}-{max(e)})" for (form, loss), e in selected.items() if e), ""]
     out.append("Mean rank over the tasks of the validation MSE above (train-supervised; 1 = lowest, ties share "
                "their mean rank): " + ", ".join(f"{form}/{loss} {statistics.mean(r):.2f}" for (form, loss), r in ranks.items()))
     return "\n".join(out) + "\n"
