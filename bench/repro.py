@@ -88,6 +88,7 @@ import yaml
 os.chdir({str(tmp)!r})
 params = yaml.safe_load(open({str(REPO / 'params.yaml')!r}))
 params["tracking"] = {{"mlflow_uri": "sqlite:///{tmp}/mlflow.db"}}
+params.pop("tuning")  # FedAvg at its params.yaml values: no tuning file to read
 yaml.safe_dump(params, open("params.yaml", "w"))
 prepare("poly1", "params.yaml", Path("data/partitions"))
 times = {{}}
