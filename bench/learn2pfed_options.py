@@ -15,7 +15,7 @@ the stage selects it). The choice is made on the validation MSE of `train`-super
 (whose meta loss never sees the validation split); test MSE of both signals is reported beside
 it, never chosen on.
 
-    python -m bench.learn2pfed_options            # about 20 minutes on 2 cores
+    python -m bench.learn2pfed_options            # 32 minutes on 2 cores beside another 1-thread job
     python -m bench.learn2pfed_options --quick    # one task, one seed, 20 meta-epochs: a smoke run
 
 Writes bench/results/<date>-learn2pfed-options.{json,md}.
