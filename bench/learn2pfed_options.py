@@ -17,6 +17,7 @@ it, never chosen on.
 
     python -m bench.learn2pfed_options            # 32 minutes on 2 cores beside another 1-thread job
     python -m bench.learn2pfed_options --quick    # one task, one seed, 20 meta-epochs: a smoke run
+    python -m bench.learn2pfed_options --held-out # `train` supervision, selected and scored on disjoint halves
 
 Writes bench/results/<date>-learn2pfed-options.{json,md}.
 """
@@ -105,7 +106,11 @@ def one_run(cfg, form: str, train, supervise, select, val, test, seed: int) -> d
     return {"diverged": False, **mse, "selected_epoch": best.epoch, "meta_loss_last": loss}
 
 
-def measure(quick: bool) -> dict:
+def measure(quick: bool, held_out: bool) -> dict:
+    """Every combination on every task and seed; with `held_out`, `train` supervision only, the
+    meta-epoch selected on one half of each client's validation rows (alternate positions, as
+    `val` supervision splits them) and the reported validation MSE taken on the other half, so
+    that the rows that select a run do not also score it."""
     rows = []
     for params_path, experiments in TASKS.items():
         params = load_params(params_path)
@@ -114,20 +119,25 @@ def measure(quick: bool) -> dict:
             seeds = params.experiment(experiment).seeds[:1] if quick else params.experiment(experiment).seeds
             for seed in seeds:
                 train, val, test = problems(params, experiment, seed, base.bias)
-                for (form, loss), supervision in itertools.product(COMBOS, ("train", "val")):
+                halves = split_validation(val)
+                for (form, loss), supervision in itertools.product(COMBOS, ("train",) if held_out else ("train", "val")):
                     cfg = base.model_copy(update={"lambda_": "full" if form == "log-cholesky" else form,
                                                   "meta_loss": loss})
                     if quick:
                         cfg = cfg.model_copy(update={"meta": cfg.meta.model_copy(update={"epochs": 20})})
                     start = time.perf_counter()
-                    supervise, select = (train, val) if supervision == "train" else split_validation(val)[:2]
-                    out = one_run(cfg, form, train, supervise, select, val, test, seed)
+                    supervise, select = (train, val) if supervision == "train" else halves[:2]
+                    scored = val
+                    if held_out:  # a client with a single validation row has it in both halves
+                        select, scored = halves[:2]
+                    out = one_run(cfg, form, train, supervise, select, scored, test, seed)
                     rows.append({"task": experiment, "seed": seed, "lambda": form, "meta_loss": loss,
                                  "supervision": supervision, "seconds": time.perf_counter() - start, **out})
                     print(f"  {experiment} seed {seed} {form}/{loss} ({supervision}): "
                           + ("diverged" if out["diverged"] else f"val {out['val']:.4f} test {out['test']:.4f}"),
                           flush=True)
-    return {"date": datetime.datetime.now().isoformat(timespec="seconds"), "quick": quick, "rows": rows}
+    return {"date": datetime.datetime.now().isoformat(timespec="seconds"), "quick": quick, "held_out": held_out,
+            "rows": rows}
 
 
 def mean_sd(values: list[float]) -> str:
@@ -142,10 +152,14 @@ def markdown(result: dict) -> str:
     tasks = list(dict.fromkeys(r["task"] for r in rows))
     head = " | ".join(f"{form}/{loss}" for form, loss in COMBOS)
     out = [f"# Learn2pFed: Lambda diagonal, full or log-Cholesky, meta loss over clients or pooled rows "
-           f"({result['date']})", "", "Every run at its meta-epoch selected on validation, as the stage selects it.", ""]
+           f"({result['date']})", "", "Every run at its meta-epoch selected on validation, as the stage selects it."
+           + (" Held out: selected on one half of each client's validation rows (alternate positions), every "
+              "validation MSE below taken on the other half." if result.get("held_out") else ""), ""]
     for title, supervision, split in (("validation MSE, train-supervised (the choice is made here)", "train", "val"),
                                       ("test MSE, train-supervised", "train", "test"),
                                       ("test MSE, val-supervised", "val", "test")):
+        if not any(r["supervision"] == supervision for r in rows):
+            continue
         out += [f"## {title}: mean ± sd over seeds, personalized model, mean over clients", "",
                 f"| task | {head} |", "|---" * (len(COMBOS) + 1) + "|"]
         for task in tasks:
@@ -177,10 +191,12 @@ def markdown(result: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--held-out", action="store_true", help="select on half the validation rows, score on the other")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    result = measure(args.quick)
-    stem = RESULTS / f"{datetime.date.today()}-learn2pfed-options{'-quick' if args.quick else ''}"
+    result = measure(args.quick, args.held_out)
+    suffix = ("-held-out" if args.held_out else "") + ("-quick" if args.quick else "")
+    stem = RESULTS / f"{datetime.date.today()}-learn2pfed-options{suffix}"
     stem.with_suffix(".json").write_text(json.dumps(result, indent=1))
     stem.with_suffix(".md").write_text(markdown(result))
     print(markdown(result))
