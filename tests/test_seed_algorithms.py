@@ -404,6 +404,55 @@ def test_fedcr_kl_gradient_matches_the_analytic_diagonal_gaussian_kl():
     torch.testing.assert_close(kl.detach(), (0.5 * (torch.log(v2 / var1) + (var1 + (mu1 - mu2.detach()) ** 2) / v2 - 1)).sum())
 
 
+@pytest.mark.parametrize("stochastic", [True, False])
+def test_fedcr_stack_gradient_by_hand_equals_autograd_on_each_client(stochastic):
+    """FedCR's hand backpropagation over a stack (cross-entropy over noise draws, the KL pull
+    weighted up to matter, padded rows of weight 0) gives each client autograd's gradient of
+    its own loss, written out here from the module doc, and the same (mu, sigma^2)."""
+    from types import SimpleNamespace
+
+    from pfl_tasks.algorithms import build
+    from pfl_tasks.algorithms.fedcr import ENCODER_KEYS, SIGMA_SHIFT, encoder_init, gaussian_kl
+    from pfl_tasks.config import MLPNet
+    from pfl_tasks.nets import build_net, init_params
+
+    gen = torch.Generator().manual_seed(3)
+    k, b, samples, width, classes = 3, 5, 4, 6, 3
+    net = build_net(MLPNet(kind="mlp", hidden=[width]), (2, 4), classes)
+    stacks = [{**init_params(net, seed), **encoder_init(width, seed)} for seed in range(k)]
+    params = {n: torch.stack([p[n] for p in stacks]) for n in stacks[0]}
+    weight = torch.rand(k, b, generator=gen)
+    weight[0, -2:] = 0  # padding
+    batch = SimpleNamespace(x=torch.randn(k, b, 2, 4, generator=gen), y=torch.randint(classes, (k, b), generator=gen),
+                            weight=weight / weight.sum(1, keepdim=True), record_pass=lambda: None,
+                            extra={"eps": torch.randn(k, b, samples, width, generator=gen)})
+    payload = {"class_mean": torch.randn(classes, width, generator=gen),
+               "class_var": torch.rand(classes, width, generator=gen) + 0.5}
+    alg = build("fedcr", {"beta": 0.3, "stochastic": stochastic, "samples": samples})
+    names = {n for n in params if n.startswith("3.")}
+    grads, (mu, var) = alg.stack_gradient(net, params, names, batch, payload)
+
+    def loss(p, c):  # client c's objective, autograd's way
+        body = {n: v for n, v in p.items() if n not in ENCODER_KEYS and n not in names}
+        s = F.linear(torch.func.functional_call(net[:-1], body, (batch.x[c],)), p["encoder.weight"], p["encoder.bias"])
+        m, raw = s.chunk(2, -1)
+        v = F.softplus(raw - SIGMA_SHIFT) ** 2 + 1e-8
+        eps = batch.extra["eps"][c] if stochastic else torch.zeros(b, samples, width)
+        logits = F.linear(m.unsqueeze(1) + v.sqrt().unsqueeze(1) * eps, p["3.weight"], p["3.bias"])
+        ce = -F.log_softmax(logits, -1).gather(-1, batch.y[c][:, None, None].expand(-1, samples, 1)).squeeze(-1).mean(1)
+        kl = gaussian_kl(payload["class_mean"][batch.y[c]], payload["class_var"][batch.y[c]], m, v)
+        return ((ce + 0.3 * kl) * batch.weight[c]).sum(), (m, v)
+
+    for c in range(k):
+        expected, (m, v) = torch.func.grad(loss, has_aux=True)({n: t[c] for n, t in params.items()}, c)
+        for n, g in expected.items():
+            assert grads[n][c].is_contiguous()
+            torch.testing.assert_close(grads[n][c], g, rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(mu[c], m)
+        torch.testing.assert_close(var[c], v)
+        assert grads["encoder.bias"][c].abs().sum() > 0
+
+
 def test_fedcr_without_alignment_or_noise_is_a_gradient_step_on_its_predictions_cross_entropy():
     """beta = 0 and z = mu: FedPer with the encoder in the shared body. One full-batch SGD step
     of one client equals a step on the cross-entropy of FedCR's own evaluation forward pass."""

@@ -34,12 +34,15 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field
 from torch.func import functional_call
+from torch.linalg import vector_norm
 
 from pfl_tasks.algorithms.base import Algorithm, HyperParams, SharedBody
 from pfl_tasks.algorithms.registry import register
 from pfl_tasks.engine import optim
+from pfl_tasks.engine.executor import clientwise
+from pfl_tasks.engine.state import per_row
 from pfl_tasks.engine.streams import StreamKey, run_seed
-from pfl_tasks.nets import head_keys
+from pfl_tasks.nets import head_keys, stacked_backward, stacked_forward
 
 NOISE = StreamKey("fedcr/noise", 7)  # per client and round: the reparameterization noise
 ENCODER = StreamKey("fedcr/encoder", 0xFEDC)  # per run: the encoder's initialization
@@ -140,19 +143,25 @@ class FedCR(SharedBody, Algorithm):
             kl = gaussian_kl(payload["class_mean"][batch_.y], payload["class_var"][batch_.y], mu, var)
             return ((loss + hp.beta * kl) * batch_.weight).sum(), (mu, var)
 
+        @clientwise  # on a stack: the gradient by hand, norms and class sums per client row
         def step(carry, data_loss, aux, batch_):
-            g, (mu, var) = batch_.grad(objective, has_aux=True)(carry["params"], batch_)
+            if carry["params"]["encoder.weight"].dim() == 3:
+                g, (mu, var) = self.stack_gradient(net, carry["params"], names, batch_, payload)
+            else:
+                g, (mu, var) = batch_.grad(objective, has_aux=True)(carry["params"], batch_)
             if hp.clip_norm is not None:  # as torch.nn.utils.clip_grad_norm_, on the client's whole gradient
-                norm = torch.sqrt(sum((t**2).sum() for t in g.values()))
-                g = {n: t * torch.clamp(hp.clip_norm / (norm + 1e-6), max=1.0) for n, t in g.items()}
+                clients = batch_.weight.sum(-1)  # [K] on a stack, a scalar for one client
+                norm = torch.sqrt(sum(vector_norm(t.reshape(*clients.shape, -1), dim=-1) ** 2 for t in g.values()))
+                clip = torch.clamp(hp.clip_norm / (norm + 1e-6), max=1.0)
+                g = {n: t.mul_(per_row(clip, t)) for n, t in g.items()}  # fresh gradients
             params, opt = optim.apply(cfg, carry["params"], g, carry["opt"])
             onehot = F.one_hot(batch_.y, n_classes).to(mu.dtype) * (batch_.weight > 0).unsqueeze(-1).to(mu.dtype)
             precision = (1 / var).detach()
             return {
                 "params": params, "opt": opt,
-                "precision": carry["precision"] + onehot.T @ precision,
-                "precision_mean": carry["precision_mean"] + onehot.T @ (precision * mu.detach()),
-                "count": carry["count"] + onehot.sum(0),
+                "precision": carry["precision"] + onehot.transpose(-2, -1) @ precision,
+                "precision_mean": carry["precision_mean"] + onehot.transpose(-2, -1) @ (precision * mu.detach()),
+                "count": carry["count"] + onehot.sum(-2),
             }
 
         zeros = torch.zeros(k, n_classes, width, device=device)
@@ -171,6 +180,49 @@ class FedCR(SharedBody, Algorithm):
             "present": (out["count"] > 0).to(torch.float32),
         }
         return message, state
+
+    def stack_gradient(self, net, params, names, batch, payload):
+        """`objective`'s gradient for every client of a stackable net's stack [K, ...] at once,
+        backpropagated by hand (the body by `stacked_backward`), with (mu, sigma^2): autograd's
+        numbers without its graph, and each gradient in its parameter's layout."""
+        hp, y = self.hp, batch.y
+        batch.record_pass()
+        body = {k: v for k, v in params.items() if k not in ENCODER_KEYS and k not in names}
+        saved = []
+        h = stacked_forward(net, body, batch.x, stop=len(net) - 1, saved=saved)  # [K, B, H]
+        s = torch.baddbmm(params["encoder.bias"].unsqueeze(1), h, params["encoder.weight"].transpose(1, 2))
+        mu, raw = s.chunk(2, dim=-1)
+        soft = F.softplus(raw - SIGMA_SHIFT)
+        var = soft**2 + 1e-8
+        sigma = var.sqrt()
+        eps = batch.extra["eps"] if hp.stochastic else torch.zeros_like(batch.extra["eps"])
+        z = (mu.unsqueeze(-2) + sigma.unsqueeze(-2) * eps).flatten(1, 2)  # [K, B * samples, H]
+        head = next(iter(names)).split(".")[0]
+        weight, bias = params[f"{head}.weight"], params.get(f"{head}.bias")
+        logits = torch.bmm(z, weight.transpose(1, 2)) if bias is None else \
+            torch.baddbmm(bias.unsqueeze(1), z, weight.transpose(1, 2))
+        samples = eps.shape[-2]
+        # cross-entropy: d/dlogits = (softmax - onehot) x the row's weight / samples
+        d_logits = torch.softmax(logits, -1)
+        d_logits.scatter_add_(-1, y.repeat_interleave(samples, 1).unsqueeze(-1), d_logits.new_full((1, 1, 1), -1.0)
+                              .expand(*d_logits.shape[:2], 1))
+        d_logits.mul_((batch.weight / samples).repeat_interleave(samples, 1).unsqueeze(-1))
+        grads = {f"{head}.weight": torch.bmm(d_logits.transpose(1, 2), z)}
+        if bias is not None:
+            grads[f"{head}.bias"] = d_logits.sum(1)
+        d_z = torch.bmm(d_logits, weight).view(*eps.shape)  # [K, B, samples, H]
+        # the KL term against the class posterior N(m, v): d/dmu = (mu - m) / sigma^2,
+        # d/dsigma^2 = (1 / sigma^2 - (v + (m - mu)^2) / sigma^4) / 2; sigma = sqrt(sigma^2)
+        m, v, pull = payload["class_mean"][y], payload["class_var"][y], hp.beta * batch.weight.unsqueeze(-1)
+        d_mu = d_z.sum(-2) + pull * (mu - m) / var
+        d_var = (d_z * eps).sum(-2) / (2 * sigma) + pull * 0.5 * (1 / var - (v + (m - mu) ** 2) / var**2)
+        d_s = torch.cat([d_mu, d_var * 2 * soft * torch.sigmoid(raw - SIGMA_SHIFT)], -1)
+        grads["encoder.weight"] = torch.bmm(d_s.transpose(1, 2), h)
+        grads["encoder.bias"] = d_s.sum(1)
+        body_grads = {k: torch.empty_like(v, memory_format=torch.contiguous_format) for k, v in body.items()}
+        stacked_backward(net, body, saved, torch.bmm(d_s, params["encoder.weight"]), body_grads)
+        grads.update(body_grads)
+        return {k: grads[k] for k in params}, (mu, var)
 
     def aggregate(self, server, messages, weights, ids):
         mean, var = product_of_experts(messages["precision"], messages["precision_mean"], messages["present"])

@@ -42,6 +42,9 @@ class FPFCHyper(HyperParams):
         return self
 
 
+PAIR_BLOCK = 8  # pairs per block of the server rule: their temporaries stay in cache
+
+
 def fusion_prox(norm: torch.Tensor, hp: FPFCHyper) -> torch.Tensor:
     """Scale c(||delta||) with prox(delta) = c * delta, for penalty/rho (see module doc)."""
     rho, lam, a, xi = hp.rho, hp.lam, hp.a, hp.xi
@@ -94,23 +97,37 @@ class FPFC(Algorithm):
         active = torch.zeros(m, dtype=torch.bool, device=pairs.device)
         active[ids.to(pairs.device)] = True
         live = (active[pairs[0]] & active[pairs[1]]).nonzero().squeeze(1)  # the pairs of two senders
-        i, j = pairs[0][live], pairs[1][live]
-        # by index_select and index_copy: boolean-mask indexing of these [pairs, ...] tensors
-        # cost most of a round
-        diff = {k: w.index_select(0, i) - w.index_select(0, j) for k, w in omega.items()}
-        old_dual = {k: v.index_select(0, live) for k, v in server["dual"].items()}
-        delta = {k: diff[k] + old_dual[k] / rho for k in omega}
-        norm = torch.sqrt(sum((d.flatten(1) ** 2).sum(1) for d in delta.values()))
-        scale = fusion_prox(norm, self.hp)
-        theta, dual = {}, {}
-        for k, d in delta.items():
-            new = per_row(scale, d) * d
-            theta[k] = server["theta"][k].index_copy(0, live, new)
-            dual[k] = server["dual"][k].index_copy(0, live, old_dual[k] + rho * (diff[k] - new))
+        # theta and v are updated in place, as the engine updates the client stacks (a round's
+        # state is used once), PAIR_BLOCK pairs at a time in reused buffers: copies and [pairs, d]
+        # temporaries in fresh memory cost most of a round. Each value is computed as by the
+        # whole-tensor formulas in the module doc, and summed in their order.
+        theta, dual = server["theta"], server["dual"]
+        diff, old, delta, new = ({k: v.new_empty(PAIR_BLOCK, *v.shape[1:]) for k, v in theta.items()} for _ in range(4))
+        for rows in torch.split(live, PAIR_BLOCK):
+            b = len(rows)
+            for k, w in omega.items():
+                torch.index_select(w, 0, pairs[0][rows], out=diff[k][:b]).sub_(
+                    torch.index_select(w, 0, pairs[1][rows], out=new[k][:b]))
+                torch.index_select(dual[k], 0, rows, out=old[k][:b])
+                torch.div(old[k][:b], rho, out=delta[k][:b]).add_(diff[k][:b])
+            norm = torch.sqrt(sum(torch.mul(delta[k][:b], delta[k][:b], out=new[k][:b]).flatten(1).sum(1)
+                                  for k in omega))
+            scale = fusion_prox(norm, self.hp)
+            for k in omega:
+                theta[k].index_copy_(0, rows, torch.mul(delta[k][:b], per_row(scale, delta[k][:b]), out=new[k][:b]))
+                dual[k].index_copy_(0, rows, old[k][:b].add_(diff[k][:b].sub_(new[k][:b]).mul_(rho)))
         zeta = {}
         for k, w in omega.items():
-            corr = theta[k] - dual[k] / rho  # index_add_ is deterministic on CUDA in the engine's deterministic mode
-            push = torch.zeros_like(w).index_add_(0, pairs[0], corr).index_add_(0, pairs[1], -corr)
+            # each pair's correction theta - dual / rho is added to its first client's row, then
+            # subtracted from its second's (index_add_ is deterministic on CUDA in the engine's
+            # deterministic mode)
+            push = torch.zeros_like(w)
+            for side, sign in ((0, 1), (1, -1)):
+                for start in range(0, pairs.shape[1], PAIR_BLOCK):
+                    block = slice(start, start + PAIR_BLOCK)
+                    b = len(pairs[side][block])
+                    corr = torch.sub(theta[k][block], torch.div(dual[k][block], rho, out=new[k][:b]), out=new[k][:b])
+                    push.index_add_(0, pairs[side][block], corr, alpha=sign)
             zeta[k] = w.mean(0, keepdim=True) + push / m
         return {"omega": omega, "zeta": zeta, "theta": theta, "dual": dual, "pairs": pairs}
 

@@ -48,14 +48,14 @@ class Batch:
     y: torch.Tensor
     weight: torch.Tensor
     extra: Tree
-    _record_pass: Callable[[], None]
+    record_pass: Callable[[], None]  # a pass the step computes by hand calls it
     data_grad: Callable[[Params], Params]
 
     def grad(self, loss: Callable, has_aux: bool = False) -> Callable:
         gradient = grad(loss, has_aux=has_aux)
 
         def counted(*args):
-            self._record_pass()
+            self.record_pass()
             return gradient(*args)
 
         return counted
