@@ -41,6 +41,37 @@ def test_every_client_evaluated_on_its_own_split_with_its_own_model():
     torch.testing.assert_close(same["acc"][0], got["acc"][1])
 
 
+@pytest.mark.parametrize("stacked", [True, False])
+@pytest.mark.parametrize("task", ["classification", "regression"])
+def test_variants_scored_in_one_pass_equal_one_evaluation_each(stacked, task):
+    """`variants=V`: a forward giving V outputs of each row scores V candidates at once, [V, K],
+    each exactly as its own evaluation would (over sample blocks and padding too)."""
+    torch.manual_seed(1)
+    net = nn.Sequential(nn.Linear(3, 2 if task == "classification" else 1))
+    sizes = [1, 700, 5]
+    xs = [torch.randn(n, 3) for n in sizes]
+    ys = [torch.randint(0, 2, (n,)) if task == "classification" else torch.randn(n) for n in sizes]
+    test = split_from(xs, ys)
+    shape = {"0.weight": net[0].weight.shape, "0.bias": net[0].bias.shape}
+    params = {k: torch.randn(3, *v) if stacked else torch.randn(*v) for k, v in shape.items()}
+    scales = torch.tensor([0.5, 1.0, -2.0])
+
+    def forward(scale):
+        return lambda net_, p, x: scale * torch.func.functional_call(net_, p, (x,))
+
+    def scaled(net_, p, x):  # [V, rows, outputs]
+        return scales[:, None, None] * torch.func.functional_call(net_, p, (x,))
+
+    together = evaluate_clients(net, task, test, torch.arange(3), params, stacked, scaled, variants=3)
+    metric = "acc" if task == "classification" else "mse"
+    assert together[metric].shape == (3, 3)
+    for v, scale in enumerate(scales):
+        alone = evaluate_clients(net, task, test, torch.arange(3), params, stacked, forward(scale))
+        for name in ("loss", "acc") if task == "classification" else ("mse",):
+            assert torch.equal(together[name][v], alone[name])
+        assert torch.equal(together["n"], alone["n"])
+
+
 def test_the_selected_round_follows_the_validation_metric_only():
     history = [  # test peaks at round 15, validation at round 10
         {"round": 5, "val/personalized/acc_mean": 0.6, "val/personalized/mse_mean": 3.0,

@@ -158,7 +158,8 @@ class Algorithm(ABC):
         """What a chunk is evaluated with, as `personalized`; `trainer` holds the chunk's training
         data, for local work at evaluation time (its fits draw from `trainer.rng(EVALUATION, ...)`), and
         `val_loss(params, stacked, forward)` scores a candidate on each client's validation
-        split [K], for what is selected at evaluation time (never the test split)."""
+        split [K], for what is selected at evaluation time (never the test split); with
+        `variants=V` V candidates at once, [V, K], from a `forward` giving [V, rows, ...]."""
         return self.personalized(server, state)
 
     def forward(self, net: nn.Module, params: Tree, x: torch.Tensor) -> torch.Tensor:

@@ -77,7 +77,7 @@ class KNNPer(FedAvg):
         if self.hp.lam is not None:
             return {**views, "lam": keys.new_full((k,), self.hp.lam)}, True
         grid = torch.linspace(0, 1, 21, device=keys.device)
-        losses = torch.stack([val_loss({**views, "lam": lam.expand(k)}, True, self.forward) for lam in grid])
+        losses = val_loss({**views, "lam": grid.expand(k, len(grid))}, True, self.forward, variants=len(grid))
         return {**views, "lam": grid[losses.argmin(0).to(grid.device)]}, True
 
     def forward(self, net, params, x):
@@ -87,4 +87,5 @@ class KNNPer(FedAvg):
         store, hp, lam = params["store"], self.hp, params["lam"]
         p_knn = knn_probs(embedding, store["keys"], store["labels"], store["mask"], hp.k,
                           hp.temperature or embedding.shape[-1], logits.shape[-1])
+        lam = lam.reshape(*lam.shape, 1, 1)  # a grid of V values (`personalize`): [V, rows, C]
         return torch.logaddexp(lam.log() + p_knn.log(), (1 - lam).log() + logits.log_softmax(-1))

@@ -21,29 +21,33 @@ SAMPLE_BLOCK = 512  # test rows per client per forward pass: bounds memory for b
 def evaluate_clients(
     net: nn.Module, task: str, test: ClientSplit, client_ids: torch.Tensor, params: Tree,
     stacked: bool, forward: Callable[[nn.Module, Tree, torch.Tensor], torch.Tensor] | None = None,
+    variants: int = 0,
 ) -> dict[str, torch.Tensor]:
     """Per-client test metrics for `client_ids`, as tensors [K]: n, and loss and accuracy
     (classification) or mse (regression). `params` is a stack [K, ...] or one shared model;
     `forward(net, params, x)` gives one client's outputs (default: the net itself). `test`
-    holds its samples on the device, its offsets and counts (and `client_ids`) on the host."""
+    holds its samples on the device, its offsets and counts (and `client_ids`) on the host.
+    With `variants` V, `forward` gives V outputs of each row, [V, rows, ...] (V candidates of a
+    client's model scored in one pass), and loss, accuracy or mse are [V, K]."""
     device = test.x.device
     client_ids = client_ids.cpu()
     k, host_counts = len(client_ids), test.counts[client_ids]
     offsets, counts = to_device({"o": test.offsets[client_ids], "n": host_counts}, device).values()
-    loss_sum = torch.zeros(k, device=device)
-    correct = torch.zeros(k, device=device)
+    loss_sum = torch.zeros(max(variants, 1), k, device=device)
+    correct = torch.zeros(max(variants, 1), k, device=device)
 
     def client_outputs(p, x):
         return forward(net, p, x) if forward else functional_call(net, p, (x,))
 
-    def add(owner: torch.Tensor, out: torch.Tensor, y: torch.Tensor, valid: torch.Tensor | None = None) -> None:
-        losses = per_sample_loss(task, out, y)
-        hits = out.argmax(-1) == y if task == "classification" else None
-        if valid is not None:  # padding's infinite loss would be NaN times 0
-            losses, hits = torch.where(valid, losses, 0), None if hits is None else hits & valid
-        loss_sum.index_add_(0, owner, losses)
-        if hits is not None:
-            correct.index_add_(0, owner, hits.to(correct.dtype))
+    def add(owner: torch.Tensor, outs: list[torch.Tensor], y: torch.Tensor, valid: torch.Tensor | None = None) -> None:
+        for out, loss_of, correct_of in zip(outs, loss_sum, correct):  # a variant's rows at a time
+            losses = per_sample_loss(task, out, y)
+            hits = out.argmax(-1) == y if task == "classification" else None
+            if valid is not None:  # padding's infinite loss would be NaN times 0
+                losses, hits = torch.where(valid, losses, 0), None if hits is None else hits & valid
+            loss_of.index_add_(0, owner, losses)
+            if hits is not None:
+                correct_of.index_add_(0, owner, hits.to(correct.dtype))
 
     if not stacked:  # one model: every client's rows, unpadded, SAMPLE_BLOCK x K at a time
         owner = torch.repeat_interleave(torch.arange(k), host_counts)
@@ -52,7 +56,8 @@ def evaluate_clients(
                         "owner": owner}, device)
         for block in torch.arange(len(owner), device=device).split(SAMPLE_BLOCK * k):
             rows = up["rows"][block]
-            add(up["owner"][block], client_outputs(params, take(test.x, rows)), take(test.y, rows))
+            out = client_outputs(params, take(test.x, rows))
+            add(up["owner"][block], list(out) if variants else [out], take(test.y, rows))
     else:  # a model per client: their rows padded to the longest, SAMPLE_BLOCK at a time
         batched, owner = vmap(client_outputs), torch.arange(k, device=device)[:, None]
         longest = int(host_counts.max())
@@ -62,8 +67,11 @@ def evaluate_clients(
             valid = pos < counts[:, None]
             rows = torch.where(valid, offsets[:, None] + pos, offsets[:, None])
             out = batched(params, take(test.x, rows))
-            add(owner.expand(k, width).flatten(), out.flatten(0, 1), take(test.y, rows).flatten(), valid.flatten())
+            outs = [out[:, v].flatten(0, 1) for v in range(variants)] if variants else [out.flatten(0, 1)]
+            add(owner.expand(k, width).flatten(), outs, take(test.y, rows).flatten(), valid.flatten())
     n = counts.to(loss_sum.dtype)
+    if not variants:
+        loss_sum, correct = loss_sum[0], correct[0]
     if task == "classification":
         return to_host({"n": n, "loss": loss_sum / n, "acc": correct / n})
     return to_host({"n": n, "mse": loss_sum / n})

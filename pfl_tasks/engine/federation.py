@@ -243,8 +243,8 @@ class Federation:
         )
         chunk = to_device(gather(state.clients, ids), self.device)
 
-        def val_loss(params: Tree, stacked: bool, forward) -> torch.Tensor:
-            metrics = self._eval("val", ids, params, stacked, forward)
+        def val_loss(params: Tree, stacked: bool, forward, variants: int = 0) -> torch.Tensor:
+            metrics = self._eval("val", ids, params, stacked, forward, variants)
             return metrics["loss" if self.task == "classification" else "mse"]
 
         params, stacked = self.algorithm.personalize(trainer, state.server, chunk, val_loss)
@@ -258,8 +258,9 @@ class Federation:
                     return f"{where}.{name}"
         return None
 
-    def _eval(self, split, ids, params, stacked, forward=None) -> dict[str, torch.Tensor]:
-        return evaluate_clients(self.fresh_net(), self.task, self.splits[split], ids, params, stacked, forward)
+    def _eval(self, split, ids, params, stacked, forward=None, variants=0) -> dict[str, torch.Tensor]:
+        return evaluate_clients(self.fresh_net(), self.task, self.splits[split], ids, params, stacked, forward,
+                                variants)
 
 
 @dataclass
