@@ -25,7 +25,6 @@ Writes bench/results/<date>-learn2pfed-options.{json,md}.
 from __future__ import annotations
 
 import argparse
-import copy
 import datetime
 import itertools
 import json
@@ -40,6 +39,7 @@ import torch
 from pfl_tasks.algorithms.learn2pfed import FLOOR, Cells
 from pfl_tasks.algorithms.learn2pfed_meta import (
     Best, client_metrics, evaluate, make_optimizer, meta_step, padded_problem, personalized_models, split_validation,
+    theta,
 )
 from pfl_tasks.config import load_params
 from pfl_tasks.estimate import built_partition
@@ -94,12 +94,12 @@ def one_run(cfg, form: str, train, supervise, select, val, test, seed: int) -> d
         best.offer(epoch, client_metrics(select, v)["mse"].mean().item(), state)
 
     for epoch in range(cfg.meta.epochs):
-        state = copy.deepcopy(cells.state_dict())
+        state = theta(cells)
         loss, _, v = meta_step(cells, opt, cfg, epoch, train, supervise, w0)
         if not math.isfinite(loss):
             return {"diverged": True}
         offer(epoch, v, state)
-    offer(cfg.meta.epochs, personalized_models(cells, train, w0, cfg), copy.deepcopy(cells.state_dict()))
+    offer(cfg.meta.epochs, personalized_models(cells, train, w0, cfg), theta(cells))
     cells.load_state_dict(best.state)
     mse = {split: evaluate(cells, train, problem, w0, cfg)["personalized"]["mse"].mean().item()
            for split, problem in (("val", val), ("test", test))}

@@ -39,7 +39,7 @@ from pfl_tasks.algorithms import build, source_file, validate_params
 from pfl_tasks.algorithms.learn2pfed import Cells
 from pfl_tasks.algorithms.learn2pfed_meta import (
     HELD_OUT_HALF, Best, client_metrics, costs, evaluate, make_optimizer, meta_step, padded_problem, participation,
-    personalized_models, split_validation,
+    personalized_models, split_validation, theta,
 )
 from pfl_tasks.config import Learn2pFedConfig, ResolvedExperiment, config_hash, load_params
 from pfl_tasks.data import FederatedData, load_partition, partition_dir
@@ -171,11 +171,6 @@ def build_problems(exp, params, cfg: Learn2pFedConfig, supervision: str, root: P
               "fits the meta loss and selects the meta-epoch", file=sys.stderr)
     test = padded_problem(data.test, features(data.test.x), n_classes, name="test")
     return Problems(train, supervise, select, test, w0, upstream, data.manifest_hash, data.partition)
-
-
-def theta(cells) -> dict[str, torch.Tensor]:
-    """A copy of Theta as it is now (the step that follows changes it in place)."""
-    return {name: value.detach().clone() for name, value in cells.state_dict().items()}
 
 
 def selection_scores(problems: Problems, v: torch.Tensor) -> dict[str, float]:

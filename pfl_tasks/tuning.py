@@ -98,9 +98,9 @@ def choose(params: Params, experiment: str, results: list, seconds: float) -> di
     metric = next((r.metric for r in results), "acc")
     better = max if HIGHER_IS_BETTER[metric] else min
     cfg = params.tuning[experiment]
-    methods = {}
+    methods, every = {}, points(params, experiment)
     for run, grid in grids(params, experiment).items():
-        named = {name: point for name, (of, point) in points(params, experiment).items() if of == run}
+        named = {name: point for name, (of, point) in every.items() if of == run}
         scores = {}
         for name in named:
             r = by_name.get(name)

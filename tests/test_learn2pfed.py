@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from pfl_tasks.algorithms.learn2pfed import FLOOR, Cells, Problem, inverse_positive, unroll
-from pfl_tasks.algorithms.learn2pfed_meta import costs, evaluate, meta_epoch, meta_loss
+from pfl_tasks.algorithms.learn2pfed_meta import costs, evaluate, meta_loss, meta_step
 from pfl_tasks.config import Learn2pFedConfig
 
 INIT = {"rho": 0.01, "eta": 0.01, "gamma": 0.01, "theta": 0.01, "lam": 0.001}
@@ -182,7 +182,7 @@ def test_a_meta_step_takes_the_configured_lambda_and_meta_loss():
     before = copy.deepcopy(cells)
     w0 = torch.zeros(problem.dim, dtype=torch.float64)
     opt = torch.optim.Adam(cells.parameters(), lr=cfg.meta.lr)
-    loss, _ = meta_epoch(cells, opt, cfg, 0, problem, problem, w0)
+    loss, _, _ = meta_step(cells, opt, cfg, 0, problem, problem, w0)
     assert loss == pytest.approx(meta_loss(problem, unroll(before, problem, w0).v, "pooled").item(), rel=1e-12)
     assert (cells.raw["lam"].detach().tril(-1) != 0).any()
 
@@ -245,7 +245,7 @@ def test_meta_gradients_reach_every_parameter_and_meta_steps_reduce_the_loss(kin
         reach = raw.grad if key == "rho" else raw.grad[:-1]  # v-step, so only its rho matters
         assert (reach.abs().flatten(1) > 0).all(), key
     opt = torch.optim.Adam(cells.parameters(), lr=cfg.meta.lr)
-    losses = [meta_epoch(cells, opt, cfg, epoch, problem, problem, w0)[0] for epoch in range(30)]
+    losses = [meta_step(cells, opt, cfg, epoch, problem, problem, w0)[0] for epoch in range(30)]
     assert losses[-1] < 0.9 * losses[0]
 
 
@@ -266,7 +266,7 @@ def test_costs_count_every_row_the_meta_step_and_the_evaluation_read(monkeypatch
     monkeypatch.setattr(Problem, "per_client_loss", counted)
     cells = Cells(fit, cfg.cells, cfg.tied, cfg.init.model_dump(), torch.Generator().manual_seed(0))
     w0 = torch.zeros(fit.dim, dtype=torch.float64)
-    meta_epoch(cells, torch.optim.SGD(cells.parameters(), lr=0.01), cfg, 0, fit, supervise, w0)
+    meta_step(cells, torch.optim.SGD(cells.parameters(), lr=0.01), cfg, 0, fit, supervise, w0)
     per_epoch = 2 * reads[id(fit)] + reads[id(supervise)]
     reads[id(fit)] = 0
     evaluate(cells, fit, test, w0, cfg)
@@ -297,7 +297,7 @@ def scarce_polynomial(n_points, n_clients, noise, seed, supervision="val"):
     cells = Cells(train, l2p.cells, l2p.tied, l2p.init.model_dump(), torch.Generator().manual_seed(seed))
     opt, w0 = make_optimizer(cells, l2p.meta), torch.zeros(4, dtype=torch.float64)
     for epoch in range(l2p.meta.epochs):
-        meta_epoch(cells, opt, l2p, epoch, train, supervise, w0)
+        meta_step(cells, opt, l2p, epoch, train, supervise, w0)
     mse = evaluate(cells, train, test, w0, l2p)["personalized"]["mse"].mean().item()
     xm = train.x * train.mask[..., None]
     gram, xty = xm.transpose(1, 2) @ xm, torch.einsum("mnd,mn->md", xm, train.y)

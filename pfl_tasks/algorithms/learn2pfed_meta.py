@@ -124,10 +124,9 @@ def meta_step(cells: Cells, opt: torch.optim.Optimizer, cfg: Learn2pFedConfig, e
     return loss.item(), fit.per_client_loss(v).sum().item(), v
 
 
-def meta_epoch(cells: Cells, opt: torch.optim.Optimizer, cfg: Learn2pFedConfig, epoch: int,
-               fit: Problem, supervise: Problem, w0: torch.Tensor) -> tuple[float, float]:
-    """`meta_step`'s two losses."""
-    return meta_step(cells, opt, cfg, epoch, fit, supervise, w0)[:2]
+def theta(cells: Cells) -> dict[str, torch.Tensor]:
+    """A copy of Theta as it is now (a `meta_step` changes it in place)."""
+    return {name: value.detach().clone() for name, value in cells.state_dict().items()}
 
 
 def personalized_models(cells: Cells, train: Problem, w0: torch.Tensor, cfg: Learn2pFedConfig) -> torch.Tensor:

@@ -24,7 +24,6 @@ from pfl_tasks.algorithms.base import HyperParams
 from pfl_tasks.engine.state import Params, Tree
 
 Fraction = Annotated[float, Field(ge=0, lt=1, strict=True)]
-ADAPTIVE = ("adagrad", "adam", "yogi")
 
 
 class ServerOptimizerHyper(HyperParams):
@@ -69,7 +68,8 @@ def server_step(hp: ServerOptimizerHyper, server: Tree, key: str, average: Param
     state = server.get("server_optimizer", {})
     if hp.server_optimizer == "sgd":
         m = {k: hp.server_momentum * state["m"][k] + d for k, d in delta.items()} if state else delta
-        return {**server, key: {k: x[k] + hp.server_lr * m[k] for k in x}, **({"server_optimizer": {"m": m}} if state else {})}
+        moved = {**server, key: {k: x[k] + hp.server_lr * m[k] for k in x}}
+        return {**moved, "server_optimizer": {"m": m}} if state else moved
     b1, b2 = hp.server_betas
     m = {k: b1 * state["m"][k] + (1 - b1) * d for k, d in delta.items()}
     v = {}
