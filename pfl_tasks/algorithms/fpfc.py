@@ -42,7 +42,7 @@ class FPFCHyper(HyperParams):
         return self
 
 
-PAIR_BLOCK = 8  # pairs per block of the server rule: their temporaries stay in cache
+BLOCK_FLOATS = 2**20  # a block of the server rule holds this many floats per temporary (4 MB)
 
 
 def fusion_prox(norm: torch.Tensor, hp: FPFCHyper) -> torch.Tensor:
@@ -98,12 +98,13 @@ class FPFC(Algorithm):
         active[ids.to(pairs.device)] = True
         live = (active[pairs[0]] & active[pairs[1]]).nonzero().squeeze(1)  # the pairs of two senders
         # theta and v are updated in place, as the engine updates the client stacks (a round's
-        # state is used once), PAIR_BLOCK pairs at a time in reused buffers: copies and [pairs, d]
+        # state is used once), a block of pairs at a time in reused buffers: copies and [pairs, d]
         # temporaries in fresh memory cost most of a round. Each value is computed as by the
         # whole-tensor formulas in the module doc, and summed in their order.
         theta, dual = server["theta"], server["dual"]
-        diff, old, delta, new = ({k: v.new_empty(PAIR_BLOCK, *v.shape[1:]) for k, v in theta.items()} for _ in range(4))
-        for rows in torch.split(live, PAIR_BLOCK):
+        size = max(1, BLOCK_FLOATS // sum(v[0].numel() for v in theta.values()))  # pairs per block
+        diff, old, delta, new = ({k: v.new_empty(size, *v.shape[1:]) for k, v in theta.items()} for _ in range(4))
+        for rows in torch.split(live, size):
             b = len(rows)
             for k, w in omega.items():
                 torch.index_select(w, 0, pairs[0][rows], out=diff[k][:b]).sub_(
@@ -123,8 +124,8 @@ class FPFC(Algorithm):
             # deterministic mode)
             push = torch.zeros_like(w)
             for side, sign in ((0, 1), (1, -1)):
-                for start in range(0, pairs.shape[1], PAIR_BLOCK):
-                    block = slice(start, start + PAIR_BLOCK)
+                for start in range(0, pairs.shape[1], size):
+                    block = slice(start, start + size)
                     b = len(pairs[side][block])
                     corr = torch.sub(theta[k][block], torch.div(dual[k][block], rho, out=new[k][:b]), out=new[k][:b])
                     push.index_add_(0, pairs[side][block], corr, alpha=sign)
