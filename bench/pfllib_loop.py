@@ -35,10 +35,8 @@ import argparse
 import copy
 import datetime
 import json
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
@@ -49,7 +47,8 @@ from sklearn.preprocessing import label_binarize
 from torch import nn
 from torch.utils.data import DataLoader
 
-from bench.run import P8_PROTOCOL, RESULTS, _P8_DATA, machine, matmul_gflops, matmul_seconds, p8_federation
+from bench.common import interleaved
+from bench.run import P8_PROTOCOL, RESULTS, machine, matmul_gflops, matmul_seconds, p8_data, p8_federation
 from pfl_tasks.engine.rounds import InlineSteps, run_round
 
 METHODS = ("fedavg", "local", "fedprox", "feddyn", "fedper", "fedrep", "apfl", "pfedme", "ditto")
@@ -336,28 +335,20 @@ class Ours:
 
 def measure(reps: int) -> dict:
     """Per method, `reps` blocks of EVAL_EVERY rounds a side (one evaluation each), the sides
-    alternating, after one warm-up block each: the median block over EVAL_EVERY."""
+    alternating, after one warm-up block each (`bench.common.interleaved`): the median block over
+    EVAL_EVERY."""
     torch.set_num_threads(1)
     gflops = matmul_gflops(5)
-    p8_federation("fedavg", "vectorized")  # builds the partition
-    data = _P8_DATA["mnist"]
+    data = p8_data()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         write_clients(data, Path(tmp))
         counts = data.train.counts.tolist()
         for method in METHODS:
             sides = {"pfllib_style": PFLlibStyle(method, Path(tmp), counts), "ours": Ours(method)}
-            times = {name: [] for name in sides}
-            for block in range(reps + 1):
-                for name, side in sides.items():
-                    start = time.perf_counter()
-                    for _ in range(EVAL_EVERY):
-                        side.round()
-                    if block:
-                        times[name].append((time.perf_counter() - start) / EVAL_EVERY)
-            row = {"method": method, **{f"{name}_s": statistics.median(t) for name, t in times.items()}}
-            row["ours_matmul_kernels_s"] = matmul_seconds(
-                lambda: [sides["ours"].round() for _ in range(EVAL_EVERY)]) / EVAL_EVERY
+            blocks = {name: lambda side=side: [side.round() for _ in range(EVAL_EVERY)] for name, side in sides.items()}
+            row = {"method": method, **{f"{name}_s": t / EVAL_EVERY for name, t in interleaved(blocks, reps).items()}}
+            row["ours_matmul_kernels_s"] = matmul_seconds(blocks["ours"]) / EVAL_EVERY
             row["ratio"] = row["pfllib_style_s"] / row["ours_s"]
             row["ratio_at_kernels"] = row["pfllib_style_s"] / row["ours_matmul_kernels_s"]
             row["target"] = TARGET.get(method, 4.0)
