@@ -18,8 +18,18 @@ from pathlib import Path
 
 from flows.environment import local_defaults
 
-if __name__ == "__main__":  # before Prefect and MLflow load: they read their settings then
+
+def arguments() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("experiments", nargs="*", help="MLflow experiments (default: every configured one with runs)")
+    parser.add_argument("--params", default="params.yaml")
+    parser.add_argument("--tracking-uri", help="default: MLFLOW_TRACKING_URI, else params.yaml's tracking.mlflow_uri")
+    return parser
+
+
+if __name__ == "__main__":  # --help and a command-line error answer before Prefect and MLflow load, which read their settings then
     local_defaults()
+    arguments().parse_args()
 
 from flows.stage import stage_main
 from pfl_tasks.config import load_params
@@ -92,11 +102,7 @@ def write_ranking(path: Path, rankings: dict[str, list], others: dict[str, dict]
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("experiments", nargs="*", help="MLflow experiments (default: every configured one with runs)")
-    parser.add_argument("--params", default="params.yaml")
-    parser.add_argument("--tracking-uri", help="default: MLFLOW_TRACKING_URI, else params.yaml's tracking.mlflow_uri")
-    args = parser.parse_args(argv)
+    args = arguments().parse_args(argv)
     return stage_main("compare", lambda: compare(args.experiments or None, args.params, args.tracking_uri))
 
 

@@ -21,8 +21,18 @@ import yaml
 
 from flows.environment import local_defaults
 
-if __name__ == "__main__":  # before Prefect and MLflow load: they read their settings then
+
+def arguments() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--params", default="params.yaml")
+    parser.add_argument("--out", default="dvc.yaml")
+    parser.add_argument("--check", action="store_true", help="only check that --out is up to date")
+    return parser
+
+
+if __name__ == "__main__":  # --help and a command-line error answer before Prefect and MLflow load, which read their settings then
     local_defaults()
+    arguments().parse_args()
 
 from flows.learn2pfed import learn2pfed_code
 from flows.stage import stage_main, stage_name
@@ -168,11 +178,7 @@ def write_dvc_yaml(params_path: str = "params.yaml", out: Path = Path("dvc.yaml"
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--params", default="params.yaml")
-    parser.add_argument("--out", default="dvc.yaml")
-    parser.add_argument("--check", action="store_true", help="only check that --out is up to date")
-    args = parser.parse_args(argv)
+    args = arguments().parse_args(argv)
 
     def work() -> None:
         out = Path(args.out)

@@ -26,9 +26,19 @@ from pathlib import Path
 from flows.environment import local_defaults
 from flows.precheck import check_params_first
 
-if __name__ == "__main__":  # a config error answers before Prefect, MLflow and torch load
+
+def arguments() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("experiment")
+    parser.add_argument("--params", default="params.yaml")
+    parser.add_argument("--on-config-change", choices=["refuse", "restart", "resume"], default="refuse")
+    return parser
+
+
+if __name__ == "__main__":  # --help, and a command-line or config error, answer before Prefect, MLflow and torch load
     local_defaults()
-    check_params_first("learn2pfed")
+    first = arguments().parse_args()
+    check_params_first("learn2pfed", first.params, first.experiment)
 
 import torch
 from prefect import flow, task
@@ -329,11 +339,7 @@ def run_experiment(experiment: str, params_path: str = "params.yaml", root: str 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("experiment")
-    parser.add_argument("--params", default="params.yaml")
-    parser.add_argument("--on-config-change", choices=["refuse", "restart", "resume"], default="refuse")
-    args = parser.parse_args(argv)
+    args = arguments().parse_args(argv)
     return stage_main("learn2pfed", lambda: run_experiment(args.experiment, args.params, ".", args.on_config_change))
 
 

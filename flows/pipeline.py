@@ -21,8 +21,21 @@ from pathlib import Path
 
 from flows.environment import local_defaults
 
-if __name__ == "__main__":  # before Prefect and MLflow load: they read their settings then
+
+def arguments() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--params", default="params.yaml")
+    parser.add_argument("--root", default=".", help="where its data, models, metrics, plots and reports go")
+    parser.add_argument("experiments", nargs="*", help="default: every experiment of the params file")
+    parser.add_argument("--estimate", action="store_true",
+                        help="run nothing: time 3 rounds and an evaluation of each algorithm on this machine "
+                             "and print the experiments' estimated training time")
+    return parser
+
+
+if __name__ == "__main__":  # --help and a command-line error answer before Prefect and MLflow load, which read their settings then
     local_defaults()
+    arguments().parse_args()
 
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
@@ -108,14 +121,7 @@ def where_results(params_path: str, root: str, experiments: list[str] | None) ->
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--params", default="params.yaml")
-    parser.add_argument("--root", default=".", help="where its data, models, metrics, plots and reports go")
-    parser.add_argument("experiments", nargs="*", help="default: every experiment of the params file")
-    parser.add_argument("--estimate", action="store_true",
-                        help="run nothing: time 3 rounds and an evaluation of each algorithm on this machine "
-                             "and print the experiments' estimated training time")
-    args = parser.parse_args(argv)
+    args = arguments().parse_args(argv)
 
     def work():
         params, chosen = checked_params(args.params, args.experiments or None)  # before the Prefect server starts

@@ -17,8 +17,17 @@ from pathlib import Path
 
 from flows.environment import local_defaults
 
-if __name__ == "__main__":  # before Prefect and MLflow load: they read their settings then
+
+def arguments() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("dataset")
+    parser.add_argument("--params", default="params.yaml")
+    return parser
+
+
+if __name__ == "__main__":  # --help and a command-line error answer before Prefect and MLflow load, which read their settings then
     local_defaults()
+    arguments().parse_args()
 
 from flows.stage import stage_main
 from pfl_tasks.config import load_params
@@ -70,10 +79,7 @@ def dataset_lock(out_root: Path, dataset: str) -> Iterator[None]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("dataset")
-    parser.add_argument("--params", default="params.yaml")
-    args = parser.parse_args(argv)
+    args = arguments().parse_args(argv)
     return stage_main("prepare", lambda: prepare(args.dataset, args.params))
 
 

@@ -16,8 +16,11 @@ from pathlib import Path
 
 from flows.environment import local_defaults
 
-if __name__ == "__main__":  # before Prefect and MLflow load: they read their settings then
+if __name__ == "__main__":  # --help answers before Prefect and MLflow load, which read their settings then
     local_defaults()
+    if sys.argv[1:2] in (["-h"], ["--help"]):
+        print(__doc__)
+        sys.exit(0)
 
 import psutil
 
@@ -64,9 +67,6 @@ def _wait_for(proc: subprocess.Popen, seconds: float = 60) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
-    if args[:1] in (["-h"], ["--help"]):
-        print(__doc__)
-        return 0
     status = 0
 
     def work() -> None:

@@ -22,17 +22,32 @@ from flows.environment import local_defaults
 if __name__ == "__main__":  # before Prefect and MLflow load: they read their settings then
     local_defaults()
 
-from flows.pipeline import pipeline_flow, repro_flow
-from flows.stage import check_prefect_api
-from flows.sweep import checked_sweep_params, sweep_flow
-from pfl_tasks.algorithms import validate_params
-from pfl_tasks.config import SweepConfig, load_params
-from pfl_tasks.errors import ConfigError
-
+from pfl_tasks.config import SweepConfig
 
 # the default run's benchmark, a short one: what "Custom run" starts from in the UI
 DEFAULT_SWEEP = SweepConfig(name="mnist-sweep", experiment="mnist", algorithms=["fedavg", "ditto", "fedrep"],
                             seeds=[0, 1, 2], overrides={"federation.rounds": 20})
+
+
+def arguments() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cron", default="0 2 * * *", help="schedule of pfl-repro/nightly")
+    parser.add_argument("--sweep", default=DEFAULT_SWEEP.model_dump_json(), help="the sweep's default parameters, JSON")
+    parser.add_argument("--sweep-cron", help="schedule of pfl-sweep/sweep (default: none, run from the UI)")
+    parser.add_argument("--params-file", default="params-fmnist.yaml", help="default of pfl-pipeline/params-file")
+    parser.add_argument("--only", nargs="+", choices=["nightly", "sweep", "params-file"], help="serve just these")
+    return parser
+
+
+if __name__ == "__main__":  # --help and a command-line error answer before Prefect and MLflow load
+    arguments().parse_args()
+
+from flows.pipeline import pipeline_flow, repro_flow
+from flows.stage import check_prefect_api
+from flows.sweep import checked_sweep_params, sweep_flow
+from pfl_tasks.algorithms import validate_params
+from pfl_tasks.config import load_params
+from pfl_tasks.errors import ConfigError
 
 
 def deployments(cron: str, sweep: SweepConfig, sweep_cron: str | None, params_file: str) -> dict:
@@ -53,13 +68,7 @@ def deployments(cron: str, sweep: SweepConfig, sweep_cron: str | None, params_fi
 def main(argv: list[str] | None = None) -> int:
     from prefect import serve
 
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--cron", default="0 2 * * *", help="schedule of pfl-repro/nightly")
-    parser.add_argument("--sweep", default=DEFAULT_SWEEP.model_dump_json(), help="the sweep's default parameters, JSON")
-    parser.add_argument("--sweep-cron", help="schedule of pfl-sweep/sweep (default: none, run from the UI)")
-    parser.add_argument("--params-file", default="params-fmnist.yaml", help="default of pfl-pipeline/params-file")
-    parser.add_argument("--only", nargs="+", choices=["nightly", "sweep", "params-file"], help="serve just these")
-    args = parser.parse_args(argv)
+    args = arguments().parse_args(argv)
     try:
         chosen = deployments(args.cron, SweepConfig.model_validate_json(args.sweep), args.sweep_cron, args.params_file)
         check_prefect_api()

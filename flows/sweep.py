@@ -24,8 +24,29 @@ from pathlib import Path
 
 from flows.environment import local_defaults
 
-if __name__ == "__main__":  # before Prefect and MLflow load: they read their settings then
+def arguments() -> argparse.ArgumentParser:
+    """The command line of a sweep given by options (the other form is one JSON argument)."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("experiment")
+    parser.add_argument("--params", default="params.yaml")
+    parser.add_argument("--root", default=".", help="where its sweeps/<name>/ folder goes (as flows.pipeline's)")
+    parser.add_argument("--algorithms", nargs="+", metavar="RUN", help="default: the experiment's")
+    parser.add_argument("--seeds", nargs="+", type=int, metavar="SEED", help="default: the experiment's")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=V1[,V2...]",
+                        help="a grid over a key (repeatable), e.g. algorithms.ditto.mu=0.01,0.1,1 or "
+                             "local.optimizer.lr=0.1,0.2")
+    parser.add_argument("--name", help="the sweep's name (default: from the --set keys, or 'runs')")
+    parser.add_argument("--per-method", action="store_true",
+                        help="also name each method's best point on validation (over its variants and every "
+                             "experiment of the grid), tagged winner/<method> on the parent run")
+    return parser
+
+
+if __name__ == "__main__":  # --help and a command-line error answer before Prefect and MLflow load, which
+    # read their settings then
     local_defaults()
+    if not (len(sys.argv) == 2 and sys.argv[1].startswith("{")):
+        arguments().parse_args()
 
 import yaml
 from prefect import flow
@@ -167,20 +188,7 @@ def main(argv: list[str] | None = None) -> int:
 def from_command_line(argv: list[str]) -> tuple[SweepConfig, str]:
     """The sweep the options ask for (a grid over keys, and algorithms and seeds of the
     experiment, configured or not) and its root; an error names the option."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("experiment")
-    parser.add_argument("--params", default="params.yaml")
-    parser.add_argument("--root", default=".", help="where its sweeps/<name>/ folder goes (as flows.pipeline's)")
-    parser.add_argument("--algorithms", nargs="+", metavar="RUN", help="default: the experiment's")
-    parser.add_argument("--seeds", nargs="+", type=int, metavar="SEED", help="default: the experiment's")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=V1[,V2...]",
-                        help="a grid over a key (repeatable), e.g. algorithms.ditto.mu=0.01,0.1,1 or "
-                             "local.optimizer.lr=0.1,0.2")
-    parser.add_argument("--name", help="the sweep's name (default: from the --set keys, or 'runs')")
-    parser.add_argument("--per-method", action="store_true",
-                        help="also name each method's best point on validation (over its variants and every "
-                             "experiment of the grid), tagged winner/<method> on the parent run")
-    args = parser.parse_args(argv)
+    args = arguments().parse_args(argv)
     load_params(args.params).experiment(args.experiment)  # an unknown experiment names the choices
     grid = dict(parse_assignment(text) for text in args.set)
     name = args.name or "_".join(key.rsplit(".", 1)[-1] for key in grid) or "runs"

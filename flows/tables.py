@@ -25,8 +25,16 @@ from pathlib import Path
 
 from flows.environment import local_defaults
 
-if __name__ == "__main__":  # before Prefect and MLflow load: they read their settings then
+
+def arguments() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--params", default="params.yaml")
+    return parser
+
+
+if __name__ == "__main__":  # --help and a command-line error answer before Prefect and MLflow load, which read their settings then
     local_defaults()
+    arguments().parse_args()
 
 from flows.stage import stage_main
 from pfl_tasks.config import Params, TableConfig, VerdictConfig, load_params
@@ -122,9 +130,7 @@ def write_tables(params_path: str = "params.yaml", root: str = ".") -> list[Path
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--params", default="params.yaml")
-    args = parser.parse_args(argv)
+    args = arguments().parse_args(argv)
     return stage_main("tables", lambda: write_tables(args.params))
 
 

@@ -27,9 +27,27 @@ from pathlib import Path
 from flows.environment import local_defaults
 from flows.precheck import check_params_first
 
-if __name__ == "__main__":  # a config error answers before Prefect, MLflow and torch load
+
+def arguments() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("experiment")
+    parser.add_argument("--params", default="params.yaml")
+    parser.add_argument("--root", default=".", help="where its data, models and metrics are (as flows.pipeline's)")
+    parser.add_argument(
+        "--on-config-change", choices=["refuse", "restart", "resume"], default="refuse",
+        help="what to do with a checkpoint written under another configuration",
+    )
+    parser.add_argument("--algorithms", nargs="+", metavar="RUN", help="default: the experiment's")
+    parser.add_argument("--seeds", nargs="+", type=int, metavar="SEED", help="default: the experiment's")
+    for sweep_option in ("--set", "--name"):  # a sweep's: named in the error
+        parser.add_argument(sweep_option, action="append", help=argparse.SUPPRESS)
+    return parser
+
+
+if __name__ == "__main__":  # --help, and a command-line or config error, answer before Prefect, MLflow and torch load
     local_defaults()
-    check_params_first("train")
+    first = arguments().parse_args()
+    check_params_first("train", first.params, first.experiment)
 
 from prefect import flow, task, unmapped
 from prefect.cache_policies import NO_CACHE
@@ -303,19 +321,7 @@ def train_experiment(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("experiment")
-    parser.add_argument("--params", default="params.yaml")
-    parser.add_argument("--root", default=".", help="where its data, models and metrics are (as flows.pipeline's)")
-    parser.add_argument(
-        "--on-config-change", choices=["refuse", "restart", "resume"], default="refuse",
-        help="what to do with a checkpoint written under another configuration",
-    )
-    parser.add_argument("--algorithms", nargs="+", metavar="RUN", help="default: the experiment's")
-    parser.add_argument("--seeds", nargs="+", type=int, metavar="SEED", help="default: the experiment's")
-    for sweep_option in ("--set", "--name"):  # a sweep's: named in the error
-        parser.add_argument(sweep_option, action="append", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+    args = arguments().parse_args(argv)
 
     def train() -> dict:
         if args.set or args.name:

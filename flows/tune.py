@@ -18,9 +18,19 @@ from pathlib import Path
 from flows.environment import local_defaults
 from flows.precheck import check_params_first
 
-if __name__ == "__main__":  # a config error answers before Prefect, MLflow and torch load
+
+def arguments() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("experiment")
+    parser.add_argument("--params", default="params.yaml")
+    parser.add_argument("--root", default=".", help="where its sweeps/ and tuning/ folders are (as flows.pipeline's)")
+    return parser
+
+
+if __name__ == "__main__":  # --help, and a command-line or config error, answer before Prefect, MLflow and torch load
     local_defaults()
-    check_params_first("tune")
+    first = arguments().parse_args()
+    check_params_first("tune", first.params, first.experiment)
 
 import yaml
 from prefect import flow
@@ -84,11 +94,7 @@ def tune_flow(experiment: str, params_path: str = "params.yaml", root: str = "."
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("experiment")
-    parser.add_argument("--params", default="params.yaml")
-    parser.add_argument("--root", default=".", help="where its sweeps/ and tuning/ folders are (as flows.pipeline's)")
-    args = parser.parse_args(argv)
+    args = arguments().parse_args(argv)
 
     def work() -> None:
         checked_params(args.experiment, args.params)  # before the Prefect server starts

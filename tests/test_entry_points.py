@@ -91,6 +91,24 @@ def test_a_config_error_answers_before_prefect_mlflow_and_torch_load(tmp_path, m
     assert ("torch" in imported) == (case == "hyper-parameter")
 
 
+ENTRY_POINTS = sorted(p.stem for p in (REPO / "flows").glob("*.py") if 'if __name__ == "__main__":' in p.read_text())
+
+
+@pytest.mark.parametrize("module", ENTRY_POINTS)
+def test_help_and_a_command_line_error_answer_before_prefect_mlflow_and_torch_load(tmp_path, module):
+    """Each entry point parses its command line first: `--help` prints, an unknown option exits 2
+    (`flows.repro` passes its options to `dvc repro`), in well under a second, not 5 to 10."""
+    cases = [(["--help"], 0)] + ([] if module == "repro" else [(["--no-such-option"], 2)])
+    for args, status in cases:
+        proc = subprocess.run([sys.executable, "-X", "importtime", "-m", f"flows.{module}", *args], cwd=tmp_path,
+                              capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=300)
+        imported = {line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines()
+                    if line.startswith("import time:")}
+        assert proc.returncode == status, proc.stderr[-2000:]
+        assert (status == 0) == bool(proc.stdout.strip()), proc.stdout
+        assert not {"prefect", "mlflow", "torch"} & imported
+
+
 def test_importing_a_flow_changes_no_environment_and_each_entry_point_sets_its_defaults():
     """A library user who imports a flow keeps their environment; `python -m flows.<name>` sets
     the local defaults (no telemetry, quiet Prefect) before Prefect and MLflow load."""
