@@ -131,14 +131,17 @@ def stacked_forward(net: nn.Sequential, params: dict[str, torch.Tensor], x: torc
 
 
 def stacked_backward(net: nn.Sequential, params: dict[str, torch.Tensor], saved: list,
-                     d_out: torch.Tensor, grads: dict[str, torch.Tensor], lr: float | None = None) -> None:
+                     d_out: torch.Tensor, grads: dict[str, torch.Tensor], lr: float | None = None,
+                     pull: tuple[dict[str, torch.Tensor], float] | None = None) -> None:
     """Backpropagation by hand through `stacked_forward(..., saved=saved)`: writes into `grads`
     (buffers [K, ...] in the parameters' layout, one per parameter wanted) each client's
     gradient of sum_b <d_out[k, b], outputs[k, b]>, and stops at the first module they need.
     Autograd's twin, minus its graph and its transposed weight gradients: each matmul writes
     where the optimizer reads. With `lr`, `grads` are those parameters themselves, each stepped
     in place by -lr times its gradient (plain SGD, the gradient never stored), every product
-    with a parameter's old value taken before it moves. `d_out` is overwritten."""
+    with a parameter's old value taken before it moves; with `pull` (anchors, mu) too, each is
+    first drawn toward its anchor by lr mu, the SGD step of a proximal term mu/2 ||w - anchor||^2.
+    `d_out` is overwritten."""
     first = min(int(name.split(".", 1)[0]) for name in grads)
     d = d_out
     for i, kept in reversed(saved):
@@ -153,11 +156,15 @@ def stacked_backward(net: nn.Sequential, params: dict[str, torch.Tensor], saved:
                 if lr is None:
                     torch.bmm(d.transpose(1, 2), kept, out=grads[f"{i}.weight"])
                 else:
+                    if pull is not None:
+                        grads[f"{i}.weight"].lerp_(pull[0][f"{i}.weight"], lr * pull[1])
                     grads[f"{i}.weight"].baddbmm_(d.transpose(1, 2), kept, alpha=-lr)
             if f"{i}.bias" in grads:
                 if lr is None:
                     torch.sum(d, 1, out=grads[f"{i}.bias"])
                 else:
+                    if pull is not None:
+                        grads[f"{i}.bias"].lerp_(pull[0][f"{i}.bias"], lr * pull[1])
                     grads[f"{i}.bias"].add_(d.sum(1), alpha=-lr)
             d = below
         if i <= first:

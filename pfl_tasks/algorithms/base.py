@@ -35,7 +35,7 @@ from pydantic import BaseModel, ConfigDict
 from torch import nn
 from torch.func import functional_call
 
-from pfl_tasks.engine.executor import LocalTrainer, penalized
+from pfl_tasks.engine.executor import LocalTrainer, pulled
 from pfl_tasks.engine.federation import Facts
 from pfl_tasks.engine.state import Params, Tree, broadcast, replicate
 from pfl_tasks.engine.streams import StreamKey
@@ -47,11 +47,7 @@ ValLoss = Callable[[Tree, bool, Callable], torch.Tensor]
 def proximal(mu: float):
     """Objective f_k(w) + mu/2 ||w - anchor||^2, the anchor passed as the trainer's `aux`."""
 
-    def gradient(grads, params, anchor):  # mu (w - anchor)
-        for k, g in grads.items():
-            g.add_(params[k] - anchor[k], alpha=mu)
-
-    @penalized(gradient)
+    @pulled(mu)
     def objective(data_loss, params, anchor):
         return data_loss(params) + 0.5 * mu * sum(((params[k] - anchor[k]) ** 2).sum() for k in anchor)
 

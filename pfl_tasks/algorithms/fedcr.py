@@ -219,7 +219,7 @@ class FedCR(SharedBody, Algorithm):
         d_s = torch.cat([d_mu, d_var * 2 * soft * torch.sigmoid(raw - SIGMA_SHIFT)], -1)
         grads["encoder.weight"] = torch.bmm(d_s.transpose(1, 2), h)
         grads["encoder.bias"] = d_s.sum(1)
-        body_grads = {k: torch.empty_like(v, memory_format=torch.contiguous_format) for k, v in body.items()}
+        body_grads = {k: torch.empty_like(t, memory_format=torch.contiguous_format) for k, t in body.items()}
         stacked_backward(net, body, saved, torch.bmm(d_s, params["encoder.weight"]), body_grads)
         grads.update(body_grads)
         return {k: grads[k] for k in params}, (mu, var)

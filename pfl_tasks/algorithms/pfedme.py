@@ -49,12 +49,9 @@ class PFedMe(PersonalModels, Algorithm):
 
     def personal_step(self, batch, shared, personal):
         """pFedMe's prox update: `inner_steps` gradient steps on f_k(personal) + lam/2
-        ||personal - shared||^2, warm-started at the personal model the scan carries."""
-        personal = {k: v.clone() for k, v in personal.items()}
-        for _ in range(self.hp.inner_steps):  # in place
-            g = batch.data_grad(personal)
-            for k, t in personal.items():
-                t.add_(g[k].add_(t - shared[k], alpha=self.hp.lam), alpha=-self.hp.personal_lr)
+        ||personal - shared||^2, warm-started at the personal model the scan carries (in place)."""
+        for _ in range(self.hp.inner_steps):
+            batch.data_step(personal, self.hp.personal_lr, pull=(shared, self.hp.lam))
         return personal
 
     def personal_start(self, received, state):

@@ -40,9 +40,10 @@ class Batch:
     """One client's minibatch inside a `scan` step (a whole stack's, in a `clientwise` step):
     `weight` sums to 1 over real rows (0 on padding), `extra` holds this step's slice of the
     `per_step` tensors. `data_grad(params)` is the gradient of the data loss on this batch at
-    `params` (fresh tensors, the caller's to overwrite); `grad(loss, has_aux)` is
-    `torch.func.grad` of a loss of the step's own over this batch (a custom forward pass). Each
-    call of either is one forward-backward pass, counted by the engine for the compute."""
+    `params` (fresh tensors, the caller's to overwrite); `data_step` an SGD step on it, in place;
+    `grad(loss, has_aux)` is `torch.func.grad` of a loss of the step's own over this batch (a
+    custom forward pass). Each call of any is one forward-backward pass, counted by the engine
+    for the compute."""
 
     x: torch.Tensor
     y: torch.Tensor
@@ -50,6 +51,18 @@ class Batch:
     extra: Tree
     record_pass: Callable[[], None]  # a pass the step computes by hand calls it
     data_grad: Callable[[Params], Params]
+    fused_step: Callable[[Params, float, tuple[Params, float] | None], None] | None = None  # data_step's
+
+    def data_step(self, params: Params, lr: float, pull: tuple[Params, float] | None = None) -> None:
+        """params -= lr * (the data loss's gradient at params), in place; with `pull` (anchors,
+        mu) the gradient of data loss + mu/2 ||params - anchors||^2."""
+        if self.fused_step is not None:
+            return self.fused_step(params, lr, pull)
+        g = self.data_grad(params)
+        for k, t in params.items():
+            if pull is not None:
+                g[k].add_(t - pull[0][k], alpha=pull[1])
+            t.add_(g[k], alpha=-lr)
 
     def grad(self, loss: Callable, has_aux: bool = False) -> Callable:
         gradient = grad(loss, has_aux=has_aux)
@@ -82,6 +95,23 @@ def penalized(gradient: Callable[[Params, Params, Tree], None]):
 
     def mark(objective):
         objective.penalty_gradient = gradient
+        return objective
+
+    return mark
+
+
+def pulled(mu: float):
+    """Marks a proximal objective `data_loss(params) + mu/2 ||params - aux||^2`: `penalized`
+    by mu (params - aux), which plain SGD on a stackable net fuses into its step instead, each
+    parameter first drawn toward aux by lr mu, no gradient stored."""
+
+    def gradient(grads, params, anchor):
+        for k, g in grads.items():
+            g.add_(params[k] - anchor[k], alpha=mu)
+
+    def mark(objective):
+        objective = penalized(gradient)(objective)
+        objective.pull = mu
         return objective
 
     return mark
@@ -220,9 +250,11 @@ class LocalTrainer(ABC):
         """Run `step(carry_k, data_loss, aux_k, batch) -> carry_k` once per local step, each on
         a fresh minibatch, for every client; for algorithms whose local work is not plain
         optimization (nested prox solves, mixtures, custom forward passes). `step` may call
-        `torch.func.grad`. `per_step(S, B)` returns tensors [K, S, B, ...] for the chunk's padded
-        step and batch counts (e.g. noise drawn per client outside `vmap`, so both executors see
-        the same); step s gets its slice as `batch.extra`."""
+        `torch.func.grad`, and owns its carry: it may update the carry's tensors in place and
+        return them (each executor hands it a copy of `carry` that nothing else reads).
+        `per_step(S, B)` returns tensors [K, S, B, ...] for the chunk's padded step and batch
+        counts (e.g. noise drawn per client outside `vmap`, so both executors see the same);
+        step s gets its slice as `batch.extra`."""
 
     def net_loss(self, params: Params, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return per_sample_loss(self.task, functional_call(self.net, params, (x,)), y)
@@ -255,9 +287,11 @@ class VectorizedTrainer(LocalTrainer):
             return objective(data_loss, {**frozen_p, **train_p}, aux_k)
 
         start, inputs = 0, self._samples
-        # plain SGD on a stackable net's data loss: each step moves the parameters as the
-        # backward pass leaves them, no gradient stored
-        descend = stackable(self.net) and objective is data_objective and optim.plain_sgd(local.optimizer)
+        # plain SGD on a stackable net's data loss, `pulled` or not: each step moves the
+        # parameters as the backward pass leaves them, no gradient stored
+        pull = getattr(objective, "pull", None)
+        descend = (stackable(self.net) and (objective is data_objective or pull is not None)
+                   and optim.plain_sgd(local.optimizer))
         if stackable(self.net):
             start = frozen_prefix(params, keys)
             if start:
@@ -271,7 +305,8 @@ class VectorizedTrainer(LocalTrainer):
             # the clients still within their budget are a prefix: their rows step in place
             rows, frozen_rows, aux_rows, opt_rows = _first(plan.width, train, frozen, aux, opt_state)
             if descend:
-                self._backward({**frozen_rows, **rows}, x, y, plan.mask, rows, start, local.optimizer.lr)
+                self._backward({**frozen_rows, **rows}, x, y, plan.mask, rows, start, local.optimizer.lr,
+                               None if pull is None else (aux_rows, pull))
             else:
                 grads = grads_of(rows, frozen_rows, x, y, plan.mask, aux_rows)
                 optim.step_(local.optimizer, rows, grads, opt_rows, s)
@@ -279,14 +314,14 @@ class VectorizedTrainer(LocalTrainer):
         return order.restore({**frozen, **train})
 
     def _backward(self, params: Params, x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor, grads: Params,
-                  start: int = 0, lr: float | None = None) -> None:
+                  start: int = 0, lr: float | None = None, pull: tuple[Params, float] | None = None) -> None:
         """One forward-backward pass of a stackable net (from module `start`) on the data loss,
         by hand (`stacked_backward`): each client's gradient into `grads`, or with `lr` an SGD
-        step of the parameters `grads` names."""
+        step of the parameters `grads` names, with `pull` (anchors, mu) a `pulled` one's."""
         saved = []
         self._record_pass()
         out = stacked_forward(self.net, params, x, start, saved=saved)
-        stacked_backward(self.net, params, saved, self._loss_gradient(out, y, mask), grads, lr)
+        stacked_backward(self.net, params, saved, self._loss_gradient(out, y, mask), grads, lr, pull)
 
     def _samples(self, plan: StepPlan) -> torch.Tensor:
         return take(self._train.x, plan.rows)
@@ -393,7 +428,10 @@ class VectorizedTrainer(LocalTrainer):
                 self._backward(p, x, y, mask, grads)
                 return grads
 
-            return step(c, data_loss, a, Batch(x, y, weight, extra, self._record_pass, data_grad))
+            def data_step(p, lr, pull):  # p stepped as the backward pass leaves it
+                self._backward(p, x, y, mask, p, 0, lr, pull)
+
+            return step(c, data_loss, a, Batch(x, y, weight, extra, self._record_pass, data_grad, data_step))
 
         stepped = stack_step if stackable(self.net) and getattr(step, "clientwise", False) else vmap(client_step)
         for s, plan in enumerate(plans):
@@ -461,6 +499,8 @@ def _update_first(tree: Tree, new: Tree) -> Tree:
     def put(old: torch.Tensor, fresh: torch.Tensor) -> torch.Tensor:
         if len(fresh) == len(old):
             return fresh
+        if fresh.data_ptr() == old.data_ptr() and fresh.stride() == old.stride():  # updated in place
+            return old
         return old.index_copy_(0, torch.arange(len(fresh), device=old.device), fresh)
 
     return tree_zip(put, tree, new)
@@ -495,7 +535,7 @@ class SequentialTrainer(LocalTrainer):
         batches = self._batches(sched)
         rows = []
         for i in range(len(self._client_ids)):
-            c = tree_map(lambda t: t[i], carry)
+            c = tree_map(lambda t: t[i].clone(), carry)  # the step's own
             a = tree_map(lambda t: t[i], aux or {})
             for s, (x, y) in enumerate(batches(i)):
                 extra = tree_map(lambda t: t[i, s, : len(y)], per_step)

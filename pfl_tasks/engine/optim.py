@@ -64,16 +64,6 @@ def step_(cfg: OptimizerConfig, params: Params, grads: Params, state: dict[str, 
                 p.add_(g, alpha=-rate)
 
 
-def step(cfg: OptimizerConfig, params: Params, grads: Params, state: dict[str, Params],
-         step_index: int | torch.Tensor, lr: float | torch.Tensor | None = None) -> tuple[Params, dict[str, Params]]:
-    """`step_` on copies: the new parameters and state, the given ones untouched (for steps
-    written as functions of their carry, which `vmap` traces)."""
-    params = {k: v.clone() for k, v in params.items()}
-    state = {key: {k: v.clone() for k, v in part.items()} for key, part in state.items()}
-    step_(cfg, params, grads, state, step_index, lr)
-    return params, state
-
-
 def start(cfg: OptimizerConfig, params: Params) -> dict:
     """The optimizers of a chunk's clients over stacked `params` [K, ...], as a `scan` carry:
     their state and step counts."""
@@ -83,9 +73,10 @@ def start(cfg: OptimizerConfig, params: Params) -> dict:
 
 def apply(cfg: OptimizerConfig, params: Params, grads: Params, carry: dict,
           lr: float | torch.Tensor | None = None) -> tuple[Params, dict]:
-    """`step` inside a `scan` step, where `carry` (from `start`) is one client's."""
-    new, state = step(cfg, params, grads, carry["state"], carry["t"], lr)
-    return new, {"state": state, "t": carry["t"] + 1}
+    """`step_` inside a `scan` step, where `carry` (from `start`) is one client's: `params` and
+    the optimizer's state move in place (a scan step owns its carry); returns them and the carry."""
+    step_(cfg, params, grads, carry["state"], carry["t"], lr)
+    return params, {"state": carry["state"], "t": carry["t"] + 1}
 
 
 def torch_optimizer(cfg: OptimizerConfig, params: list[torch.Tensor]) -> torch.optim.Optimizer:
