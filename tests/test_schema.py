@@ -44,6 +44,24 @@ def test_a_feature_too_large_to_train_on_is_named(table, value):
     check(df)
 
 
+def test_an_unknown_column_or_a_feature_of_another_dtype_is_named(table):
+    with pytest.raises(DataValidationError, match="column 'extra' fails being in the schema"):
+        check(table[0].assign(extra=1.0))
+    with pytest.raises(DataValidationError, match="column 'f3' fails dtype float32: it is float64"):
+        check(table[0].astype({"f3": "float64"}))
+
+
+def test_every_failing_column_is_named_at_once(table):
+    """A label and two features out of bounds: one error, a line each, features with their clients."""
+    df = table[0].copy()
+    df.loc[3, "label"], df.loc[7, "f3"], df.loc[9, "f5"] = 10, np.nan, np.inf
+    with pytest.raises(DataValidationError) as info:
+        check(df)
+    lines = str(info.value).splitlines()[1:]
+    assert [line.split(" fails")[0].strip() for line in lines] == ["column 'label'", "column 'f3'", "column 'f5'"]
+    assert f"values [nan] (clients [{df.loc[7, 'client_id']}])" in lines[1]
+
+
 def test_out_of_range_label_is_named(table):
     df = table[0].copy()
     df.loc[3, "label"] = 10
