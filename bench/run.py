@@ -13,12 +13,14 @@ by side in this one run: repetitions interleave the setups, and each time is a m
   P8  the standard-protocol round (mnist, MLP 784-100-10, 1 epoch of batch 10, all 20 clients,
       1 thread, evaluated) of every registered algorithm, vectorized and sequential, against its
       floor (counted sample-passes x FLOPs per pass / this machine's measured matmul rate); and
-      the share of a training run's evaluated round that its bookkeeping takes (against the same rounds played bare, half before the run and half after)
+      the share of a training run's evaluated round that its bookkeeping takes (against the same
+      rounds played bare, half before the run and half after); and a stage's fixed costs
+      (`flows.train`'s --help, a config error, process start to a 1-round run's first round)
   profile  where one default training run's time goes, model math or not
 
     make bench                        # = python -m bench.run
     python -m bench.run --quick       # smaller K and reps: a smoke run
-    python -m bench.run --only-p8     # P8 alone, about 5 minutes
+    python -m bench.run --only-p8     # P8 alone, about 6 minutes
     python -m bench.run --device cuda # the GPU check (bench/gpu.py), about 5 minutes
 
 Writes bench/results/<date>-<host>.json, .md and .png (-cuda.json and .md for the GPU check)
@@ -36,14 +38,17 @@ import json
 import os
 import platform
 import pstats
+import shutil
 import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+import yaml
 
 from bench.common import MODELS, interleaved, one_round, p1, p3
 from pfl_tasks.algorithms import ALGORITHMS, build
@@ -51,6 +56,7 @@ from pfl_tasks.config import TrackingConfig, load_params, parse_params
 from pfl_tasks.engine.federation import Federation
 from pfl_tasks.engine.rounds import InlineSteps, run_round
 
+ROOT = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).parent / "results"
 # ----------------------------------------------------------------------------- P4
 UNEVEN = {
@@ -294,6 +300,62 @@ def p8_bookkeeping(rounds: int) -> dict:
     return row
 
 
+def answer_seconds(command: list[str], cwd: Path, status: int, until: str = "") -> float:
+    """Wall seconds from starting `python -m <command>` to its first output line containing
+    `until` (to its exit, if empty); the process then runs to its end, which must be `status`."""
+    start = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-m", *command], cwd=cwd, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    seconds, lines = None, []
+    for line in proc.stdout:
+        lines.append(line)
+        if until and seconds is None and until in line:
+            seconds = time.perf_counter() - start
+    if proc.wait() != status or (until and seconds is None):
+        raise RuntimeError(f"{' '.join(command)}: exit {proc.returncode}, no line with {until!r}:\n"
+                           + "".join(lines[-20:]))
+    return seconds if until else time.perf_counter() - start
+
+
+def p8_start(reps: int) -> dict:
+    """A stage's fixed costs as its user meets them, medians over `reps` fresh processes: `--help`;
+    a config error (an unknown key, answered before torch; a bad hyper-parameter, which needs
+    torch); and the start of a 1-round FedAvg run of `make run`'s mnist experiment
+    (`flows.train`, a fresh MLflow store, inline orchestration: under `make run` the stages share
+    one Prefect server) to the console line of its first evaluated round."""
+    raw = yaml.safe_load((ROOT / "params.yaml").read_text())
+    mnist = {**raw["experiments"]["mnist"], "algorithms": ["fedavg"], "seeds": [0], "run_overrides": {},
+             "federation": {"rounds": 1, "eval_every": 1, "checkpoint_every": 1}}
+    cases = {"unknown key": {"federation": {**raw["federation"], "roundz": 1}},
+             "hyper-parameter": {"algorithms": {**raw["algorithms"], "fedavg": {"weighting": "nosuch"}}}}
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        base = {k: v for k, v in raw.items() if k not in ("tuning", "tables")}
+        base.update(datasets={"mnist": raw["datasets"]["mnist"]}, experiments={"mnist": mnist},
+                    engine={**raw["engine"], "orchestrator": "inline"})
+        (tmp / "run.yaml").write_text(yaml.safe_dump(base))
+        for case, change in cases.items():
+            (tmp / f"{case}.yaml").write_text(yaml.safe_dump({**base, **change}))
+        from flows.prepare import prepare
+
+        prepare("mnist", str(tmp / "run.yaml"), tmp / "data" / "partitions")
+        seconds = {"--help": [], "unknown key": [], "hyper-parameter": [], "first round": []}
+        for rep in range(reps):
+            seconds["--help"].append(answer_seconds(["flows.train", "--help"], tmp, 0))
+            for case in cases:
+                seconds[case].append(answer_seconds(["flows.train", "mnist", "--params", f"{case}.yaml"], tmp, 2))
+            run = tmp / f"run-{rep}"
+            shutil.copytree(tmp / "data", run / "data")
+            seconds["first round"].append(answer_seconds(
+                ["flows.train", "mnist", "--params", str(tmp / "run.yaml"), "--root", "."], run, 0, " round 1:"))
+    row = {"case": "P8 start: flows.train's --help, a config error, and a 1-round FedAvg run of make run's mnist "
+                   "experiment (fresh MLflow store, inline orchestration) to its first round's console line",
+           "seconds": {k: statistics.median(v) for k, v in seconds.items()},
+           "targets": {"--help": 2.0, "unknown key": 2.0, "hyper-parameter": 2.0, "first round": 3.0}}
+    print("  " + ", ".join(f"{k} {v:.1f} s" for k, v in row["seconds"].items()), flush=True)
+    return row
+
+
 # ----------------------------------------------------------------------------- P2
 def server_quiet(timeout: float = 60.0) -> float:
     """Wait until the processes this one started (the temporary Prefect server) use under 5% of
@@ -440,6 +502,11 @@ def p8_markdown(result: dict) -> list[str]:
               f"{100 * book['share']:.1f}% of it "
               f"(target ≤ {100 * book['target_max']:.0f}%: "
               f"{'yes' if book['share'] <= book['target_max'] else 'NO'}).", ""]
+    start = result.get("p8_start")
+    if start:
+        lines += [f"{start['case']}, wall seconds, medians: " + "; ".join(
+            f"{k} {v:.1f} s (target ≤ {start['targets'][k]:.0f} s: {'yes' if v <= start['targets'][k] else 'NO'})"
+            for k, v in start["seconds"].items()) + ".", ""]
     return lines
 
 
@@ -531,6 +598,7 @@ def main(argv: list[str] | None = None) -> int:
     print("P8 the standard-protocol round against the floor", flush=True)
     result["p8"] = p8(reps, sorted(ALGORITHMS))
     result["p8_bookkeeping"] = p8_bookkeeping(20 if args.quick else 100)
+    result["p8_start"] = p8_start(1 if args.quick else 3)
     if args.only_p8:
         return write(result, args.quick)
     print("P1 vectorized vs sequential", flush=True)
