@@ -52,11 +52,11 @@ import yaml
 
 from bench.common import MODELS, interleaved, one_round, p1, p3
 from pfl_tasks.algorithms import ALGORITHMS, build
+from pfl_tasks.code_deps import ROOT
 from pfl_tasks.config import TrackingConfig, load_params, parse_params
 from pfl_tasks.engine.federation import Federation
 from pfl_tasks.engine.rounds import InlineSteps, run_round
 
-ROOT = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).parent / "results"
 # ----------------------------------------------------------------------------- P4
 UNEVEN = {

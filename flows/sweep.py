@@ -42,8 +42,7 @@ def arguments() -> argparse.ArgumentParser:
     return parser
 
 
-if __name__ == "__main__":  # --help and a command-line error answer before Prefect and MLflow load, which
-    # read their settings then
+if __name__ == "__main__":  # --help and command-line errors answer first; then Prefect and MLflow load
     local_defaults()
     if not (len(sys.argv) == 2 and sys.argv[1].startswith("{")):
         arguments().parse_args()
