@@ -3,7 +3,10 @@
 Acar et al., "Federated Learning Based on Dynamic Regularization", ICLR 2021 (Algorithm 1;
 seed eqs. (12)-(15)). Client k solves (approximately, by the round's local steps)
     min_theta f_k(theta) - <g_k, theta> + alpha/2 ||theta - theta_server||^2
-then g_k <- g_k - alpha (theta_k - theta_server). The server keeps
+then g_k <- g_k - alpha (theta_k - theta_server). Up to a constant, the local problem is
+    f_k(theta) + alpha/2 ||theta - (theta_server + g_k / alpha)||^2,
+a proximal pull toward a shifted anchor (`pull_target`): the fused proximal SGD step of
+FedProx runs it. The server keeps
     h <- h - alpha/K sum_{k in S} (theta_k - theta_server),
     theta_server <- mean_{k in S} theta_k - h / alpha          (K = all clients).
 alpha = 0.01 is the paper's most used value. Not personalized: both views are theta_server.
@@ -16,10 +19,9 @@ from typing import Annotated
 import torch
 from pydantic import Field
 
-from pfl_tasks.algorithms.base import Algorithm, HyperParams
+from pfl_tasks.algorithms.base import Algorithm, HyperParams, proximal
 from pfl_tasks.algorithms.registry import register
-from pfl_tasks.engine.executor import penalized
-from pfl_tasks.engine.state import broadcast, replicate, tree_zip
+from pfl_tasks.engine.state import Params, Tree, broadcast, replicate, tree_zip
 
 
 class FedDynHyper(HyperParams):
@@ -40,24 +42,17 @@ class FedDyn(Algorithm):
         return {"grad": replicate({k: torch.zeros_like(v) for k, v in params.items()}, n_clients)}
 
     def objective(self):
-        """f_k(theta) - <grad_k, theta> + alpha/2 ||theta - anchor||^2 (the paper's local problem)."""
-        alpha = self.hp.alpha
+        """The paper's local problem f_k(theta) - <g_k, theta> + alpha/2 ||theta - anchor||^2,
+        as a proximal one around `pull_target` (the same up to a constant)."""
+        return proximal(self.hp.alpha)
 
-        def gradient(grads, params, aux):  # -grad_k + alpha (theta - anchor)
-            for k, g in grads.items():
-                g.sub_(aux["grad"][k]).add_(params[k] - aux["anchor"][k], alpha=alpha)
-
-        @penalized(gradient)
-        def objective(data_loss, params, aux):
-            linear = sum((aux["grad"][k] * params[k]).sum() for k in params)
-            prox = sum(((params[k] - aux["anchor"][k]) ** 2).sum() for k in params)
-            return data_loss(params) - linear + 0.5 * alpha * prox
-
-        return objective
+    def pull_target(self, anchor: Params, grad: Tree) -> Params:
+        """anchor + g_k / alpha: -<g, t> + alpha/2 ||t - a||^2 = alpha/2 ||t - (a + g/alpha)||^2 + const."""
+        return tree_zip(lambda a, g: a + g / self.hp.alpha, anchor, grad)
 
     def client_update(self, trainer, payload, state):
         anchor = broadcast(payload["global"], trainer.n_clients)
-        theta = trainer.fit(anchor, self.objective(), aux={"anchor": anchor, "grad": state["grad"]})
+        theta = trainer.fit(anchor, self.objective(), aux=self.pull_target(anchor, state["grad"]))
         grad = tree_zip(lambda g, t, a: g - self.hp.alpha * (t - a), state["grad"], theta, anchor)
         return {"params": theta}, {"grad": grad}
 
