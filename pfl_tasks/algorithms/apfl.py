@@ -107,19 +107,27 @@ class APFL(Algorithm):
                      "seen_weight": payload["weight_sum"].expand(k).clone(),
                      "seen_global": {n: v.expand(k, *v.shape).clone() for n, v in payload["global_sum"].items()}}
 
+        # plain SGD at a fixed lr runs theta's step fused into its backward pass (`data_step`),
+        # no gradient of theta stored
+        plain = optim.plain_sgd(cfg) and hp.decay_mu is None
+
         @clientwise  # per-client values (alpha, step counts) act on their own rows: per_row, row_sums
         def step(carry, data_loss, aux, batch):
             theta, v, alpha = carry["theta"], carry["local"], carry["alpha"]
             eta = self.step_size(cfg.lr, carry["steps_done"], local.steps or local.epochs)
             g_mix = batch.data_grad(mixture(alpha, v, theta))
-            g_theta = batch.data_grad(theta)
+            new_alpha = alpha
             if hp.adaptive_alpha:
-                inner = sum(row_sums((v[k] - theta[k]) * g_mix[k], alpha) for k in v)
-                alpha = torch.clamp(alpha - alpha_lr * inner, 0.0, 1.0)
-            theta, opt_theta = optim.apply(cfg, theta, g_theta, carry["opt_theta"], eta)
-            v, opt_local = optim.apply(cfg, v, {k: per_row(carry["alpha"], g) * g for k, g in g_mix.items()},
+                inner = sum(row_sums((v[k] - theta[k]).mul_(g_mix[k]), alpha) for k in v)
+                new_alpha = torch.clamp(alpha - alpha_lr * inner, 0.0, 1.0)
+            opt_theta = carry["opt_theta"]
+            if plain:
+                batch.data_step(theta, eta)
+            else:
+                theta, opt_theta = optim.apply(cfg, theta, batch.data_grad(theta), opt_theta, eta)
+            v, opt_local = optim.apply(cfg, v, {k: g.mul_(per_row(alpha, g)) for k, g in g_mix.items()},
                                        carry["opt_local"], eta)
-            return {"theta": theta, "local": v, "alpha": alpha, "steps_done": carry["steps_done"] + 1,
+            return {"theta": theta, "local": v, "alpha": new_alpha, "steps_done": carry["steps_done"] + 1,
                     "opt_theta": opt_theta, "opt_local": opt_local}
 
         trained = ("local", "alpha", "steps_done")

@@ -62,12 +62,17 @@ class PFedMe(PersonalModels, Algorithm):
         local optimizer on the shared model along lam (shared - personal): pFedMe's envelope
         gradient, pFedMac's correlation pull. Sends the shared model."""
         hp, cfg = self.hp, trainer.local.optimizer
+        plain = optim.plain_sgd(cfg)
 
         @clientwise
         def step(carry, data_loss, aux, batch):
             shared, personal = carry["shared"], self.personal_step(batch, carry["shared"], carry["personal"])
-            pull = {k: hp.lam * (shared[k] - personal[k]) for k in shared}
-            shared, opt = optim.apply(cfg, shared, pull, carry["opt"])
+            opt = carry["opt"]
+            if plain:  # shared - lr lam (shared - personal), in place (ops vmap batches)
+                for k, t in shared.items():
+                    t.mul_(1 - cfg.lr * hp.lam).add_(personal[k], alpha=cfg.lr * hp.lam)
+            else:
+                shared, opt = optim.apply(cfg, shared, {k: hp.lam * (shared[k] - personal[k]) for k in shared}, opt)
             return {"shared": shared, "personal": personal, "opt": opt}
 
         received = broadcast(payload["global"], trainer.n_clients)
