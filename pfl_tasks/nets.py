@@ -115,7 +115,9 @@ def stacked_forward(net: nn.Sequential, params: dict[str, torch.Tensor], x: torc
     autograd then gives each client's gradient in its own slice, without vmap). With `start`
     and `stop`, only the modules net[start:stop]. `saved`, if given, receives what
     `stacked_backward` needs: each module's index with its input (Linear, Flatten) or output (ReLU)."""
-    for i, module in enumerate(net[start:stop], start):
+    modules = list(net)  # indexing the Sequential itself builds a new one per slice
+    for i in range(start, len(modules) if stop is None else stop):
+        module = modules[i]
         if saved is not None:
             saved.append((i, x))
         if isinstance(module, nn.Flatten):
@@ -143,29 +145,32 @@ def stacked_backward(net: nn.Sequential, params: dict[str, torch.Tensor], saved:
     first drawn toward its anchor by lr mu, the SGD step of a proximal term mu/2 ||w - anchor||^2.
     `d_out` is overwritten."""
     first = min(int(name.split(".", 1)[0]) for name in grads)
-    d = d_out
+    d, modules = d_out, list(net)
+
+    def stepped(name: str) -> torch.Tensor:  # the parameter, drawn toward its anchor first
+        if pull is not None:
+            grads[name].lerp_(pull[0][name], lr * pull[1])
+        return grads[name]
+
     for i, kept in reversed(saved):
-        module = net[i]
+        module = modules[i]
         if isinstance(module, nn.ReLU):
             d = d.mul_(kept > 0)
         elif isinstance(module, nn.Flatten):
             d = d.view(kept.shape)
         else:
             below = torch.bmm(d, params[f"{i}.weight"]) if i > first else None
-            if f"{i}.weight" in grads:
+            weight, bias = f"{i}.weight", f"{i}.bias"
+            if weight in grads:
                 if lr is None:
-                    torch.bmm(d.transpose(1, 2), kept, out=grads[f"{i}.weight"])
+                    torch.bmm(d.transpose(1, 2), kept, out=grads[weight])
                 else:
-                    if pull is not None:
-                        grads[f"{i}.weight"].lerp_(pull[0][f"{i}.weight"], lr * pull[1])
-                    grads[f"{i}.weight"].baddbmm_(d.transpose(1, 2), kept, alpha=-lr)
-            if f"{i}.bias" in grads:
+                    stepped(weight).baddbmm_(d.transpose(1, 2), kept, alpha=-lr)
+            if bias in grads:
                 if lr is None:
-                    torch.sum(d, 1, out=grads[f"{i}.bias"])
+                    torch.sum(d, 1, out=grads[bias])
                 else:
-                    if pull is not None:
-                        grads[f"{i}.bias"].lerp_(pull[0][f"{i}.bias"], lr * pull[1])
-                    grads[f"{i}.bias"].add_(d.sum(1), alpha=-lr)
+                    stepped(bias).add_(d.sum(1), alpha=-lr)
             d = below
         if i <= first:
             return

@@ -9,12 +9,16 @@ import pandera.pandas as pa
 from pfl_tasks.errors import DataValidationError
 
 FEATURE_PATTERN = r"^f\d+$"
-NAMED_COLUMNS = ("sample_id", "client_id", "split", "label")  # partition_schema's, the features beside them
 # the largest feature magnitude a partition may hold: standardized or pixel features are O(1),
 # and a model's float32 products of larger ones overflow without ever turning non-finite in time
 # for the divergence check (a 3e38 feature trained to "finished" with 6e34 weights)
 MAX_ABS_VALUE = 1e9
 BOUNDED = f"finite, at most {MAX_ABS_VALUE:g} in magnitude (standardize larger values)"
+
+
+def bounded(values):
+    """Elementwise: finite and at most MAX_ABS_VALUE in magnitude (a column or an array)."""
+    return np.isfinite(values) & (np.abs(values) <= MAX_ABS_VALUE)
 
 
 def partition_schema(task: str, n_classes: int, n_clients: int) -> pa.DataFrameSchema:
@@ -25,7 +29,7 @@ def partition_schema(task: str, n_classes: int, n_clients: int) -> pa.DataFrameS
             "int64", pa.Check.in_range(0, n_classes - 1), title=f"class in [0, {n_classes - 1}]"
         )
     else:
-        label = pa.Column("float32", pa.Check(lambda x: np.isfinite(x) & (np.abs(x) <= MAX_ABS_VALUE), name=BOUNDED))
+        label = pa.Column("float32", pa.Check(bounded, name=BOUNDED))
     return pa.DataFrameSchema(
         {
             "sample_id": pa.Column("int64", pa.Check.ge(0), unique=True),
@@ -40,14 +44,14 @@ def partition_schema(task: str, n_classes: int, n_clients: int) -> pa.DataFrameS
 def feature_failures(df: pd.DataFrame) -> list[str]:
     """A line per failing column besides the named ones: not a feature f<j>, not float32, or
     with values that are not BOUNDED (the first 5, with their clients)."""
-    features = df.filter(regex=FEATURE_PATTERN)
-    lines = [f"column '{c}' fails being in the schema ({', '.join(NAMED_COLUMNS)}, f0, f1, ...)"
-             for c in df.columns if c not in NAMED_COLUMNS and c not in features]
+    features, named = df.filter(regex=FEATURE_PATTERN), list(partition_schema("regression", 0, 1).columns)
+    lines = [f"column '{c}' fails being in the schema ({', '.join(named)}, f0, f1, ...)"
+             for c in df.columns if c not in named and c not in features]
     lines += [f"column '{c}' fails dtype float32: it is {t}" for c, t in features.dtypes.items() if t != np.float32]
     if lines:
         return lines
     values = features.to_numpy()
-    bad = ~(np.isfinite(values) & (np.abs(values) <= MAX_ABS_VALUE))
+    bad = ~bounded(values)
     clients = df["client_id"].to_numpy() if "client_id" in df else None
     for j in np.flatnonzero(bad.any(0)):
         rows = np.flatnonzero(bad[:, j])[:5]

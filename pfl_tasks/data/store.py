@@ -7,19 +7,20 @@ import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import numpy as np
-import pandas as pd
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pfl_tasks.config import DatasetConfig, config_hash
 from pfl_tasks.data.partition import SPLITS, assign_clients, split_clients, standardize_by_train
-from pfl_tasks.data.schema import validate_partition
 from pfl_tasks.data.sources import RawDataset, load_source
 from pfl_tasks.errors import DataValidationError
 from pfl_tasks.files import atomic_directory
+
+if TYPE_CHECKING:  # pandas and pandera load with the first table built or read (0.45 s): a
+    import pandas as pd  # config check, which imports this module, answers without them
 
 TABLE = "partition.parquet"
 MANIFEST = "manifest.json"
@@ -32,6 +33,10 @@ def partition_dir(root: Path, dataset: str, seed: int) -> Path:
 
 def build_partition(name: str, cfg: DatasetConfig, seed: int) -> tuple[pd.DataFrame, dict]:
     """The partition table (rows grouped by client, each in source order) and its manifest."""
+    import pandas as pd
+
+    from pfl_tasks.data.schema import validate_partition
+
     rng = np.random.default_rng([seed, _stable_int(name)])
     data = load_source(cfg.source, rng)
     client = assign_clients(data, cfg.partition, rng)
@@ -186,6 +191,10 @@ def load_partition(directory: Path) -> FederatedData:
     table = directory / TABLE
     if _sha256(table) != manifest.table_sha256:
         raise DataValidationError(f"{table} does not match its manifest's table_sha256")
+    import pandas as pd
+
+    from pfl_tasks.data.schema import validate_partition
+
     df = pd.read_parquet(table)
     validate_partition(df, manifest.task, manifest.n_classes, manifest.n_clients)
     shape = tuple(manifest.feature_shape)

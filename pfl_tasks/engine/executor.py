@@ -59,9 +59,9 @@ class Batch:
         if self.fused_step is not None:
             return self.fused_step(params, lr, pull)
         g = self.data_grad(params)
+        if pull is not None:
+            add_pull(g, params, *pull)
         for k, t in params.items():
-            if pull is not None:
-                g[k].add_(t - pull[0][k], alpha=pull[1])
             t.add_(g[k], alpha=-lr)
 
     def grad(self, loss: Callable, has_aux: bool = False) -> Callable:
@@ -100,17 +100,19 @@ def penalized(gradient: Callable[[Params, Params, Tree], None]):
     return mark
 
 
+def add_pull(grads: Params, params: Params, anchor: Params, mu: float) -> None:
+    """grads += mu (params - anchor), in place: the gradient of mu/2 ||params - anchor||^2."""
+    for k, g in grads.items():
+        g.add_(params[k] - anchor[k], alpha=mu)
+
+
 def pulled(mu: float):
     """Marks a proximal objective `data_loss(params) + mu/2 ||params - aux||^2`: `penalized`
     by mu (params - aux), which plain SGD on a stackable net fuses into its step instead, each
     parameter first drawn toward aux by lr mu, no gradient stored."""
 
-    def gradient(grads, params, anchor):
-        for k, g in grads.items():
-            g.add_(params[k] - anchor[k], alpha=mu)
-
     def mark(objective):
-        objective = penalized(gradient)(objective)
+        objective = penalized(lambda grads, params, anchor: add_pull(grads, params, anchor, mu))(objective)
         objective.pull = mu
         return objective
 
@@ -328,18 +330,18 @@ class VectorizedTrainer(LocalTrainer):
 
     def _frozen_features(self, start: int, frozen: Stack, order: BudgetOrder) -> Callable[[StepPlan], torch.Tensor]:
         """The inputs of net[start:] for a step: the frozen modules before it applied once, at
-        the start of the fit, to every training row of each client (in budget order), instead
-        of once a step to its batch."""
+        the start of the fit, to each client's own training rows (in budget order, unpadded),
+        instead of once a step to its batch."""
         offsets, counts = self._offsets[order.host_perm], self._counts[order.host_perm]
-        width = int(counts.max())
-        local = torch.arange(width)[None, :].minimum(counts[:, None] - 1)
-        # client k's features stand at rows k * width + j: a split row r of it at r + shift[k]
-        up = to_device({"rows": offsets[:, None] + local,
-                        "shift": torch.arange(len(offsets))[:, None] * width - offsets[:, None]}, self.device)
-        features = stacked_forward(self.net, frozen, take(self._train.x, up["rows"]), stop=start).flatten(0, 1)
+        features = torch.cat([
+            stacked_forward(self.net, tree_map(lambda t: t[k: k + 1], frozen), self._train.x[o: o + n][None],
+                            stop=start)[0]
+            for k, (o, n) in enumerate(zip(offsets.tolist(), counts.tolist()))])
+        # a split row r of client k stands at r + shift[k] among the features
+        shift = to_device({"shift": (torch.cumsum(counts, 0) - counts - offsets)[:, None]}, self.device)["shift"]
 
         def inputs(plan: StepPlan) -> torch.Tensor:
-            return take(features, plan.rows + up["shift"][: plan.width])
+            return take(features, plan.rows + shift[: plan.width])
 
         return inputs
 
