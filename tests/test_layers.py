@@ -153,3 +153,15 @@ def test_the_engine_names_no_algorithm():
     found = {f"{path.name}:{n}": m.group(0) for path in sorted((ROOT / "pfl_tasks/engine").glob("*.py"))
              for n, line in enumerate(path.read_text().splitlines(), 1) for m in pattern.finditer(line)}
     assert len(names) > 30 and found == {}
+
+
+def test_the_library_imports_its_own_modules_where_code_deps_reads_them():
+    """`code_deps` reads a file's module-level imports only, so a module of `pfl_tasks/` that
+    imported another inside a function would change runs' numbers without restaging them:
+    every project import of the library is at module level (a third party's may be lazy)."""
+    from pfl_tasks.code_deps import _imported
+
+    lazy = {str(path.relative_to(ROOT)): sorted(str(p.relative_to(ROOT)) for p in everywhere - _imported(path))
+            for name, path in MODULES.items() if name.startswith("pfl_tasks")
+            if (everywhere := {MODULES[m] for m in imports(path) - {name}}) - _imported(path)}
+    assert lazy == {}

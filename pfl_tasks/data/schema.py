@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
-import pandas as pd
-import pandera.pandas as pa
 
 from pfl_tasks.errors import DataValidationError
+
+if TYPE_CHECKING:  # both load with the first table checked (0.45 s), not at import
+    import pandas as pd
+    import pandera.pandas as pa
 
 FEATURE_PATTERN = r"^f\d+$"
 # the largest feature magnitude a partition may hold: standardized or pixel features are O(1),
@@ -24,6 +28,8 @@ def bounded(values):
 def partition_schema(task: str, n_classes: int, n_clients: int) -> pa.DataFrameSchema:
     """The named columns' schema. The features, hundreds of columns that pandera would check one
     by one (about a second a table), are checked as one array by `feature_failures`."""
+    import pandera.pandas as pa
+
     if task == "classification":
         label = pa.Column(
             "int64", pa.Check.in_range(0, n_classes - 1), title=f"class in [0, {n_classes - 1}]"
@@ -62,6 +68,8 @@ def feature_failures(df: pd.DataFrame) -> list[str]:
 
 def validate_partition(df: pd.DataFrame, task: str, n_classes: int, n_clients: int) -> None:
     """Raise DataValidationError naming the failing columns/clients; return None if valid."""
+    import pandera.pandas as pa
+
     lines = []
     try:
         partition_schema(task, n_classes, n_clients).validate(df, lazy=True)

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pfl_tasks.config import DatasetConfig, config_hash
 from pfl_tasks.data.partition import SPLITS, assign_clients, split_clients, standardize_by_train
+from pfl_tasks.data.schema import validate_partition
 from pfl_tasks.data.sources import RawDataset, load_source
 from pfl_tasks.errors import DataValidationError
 from pfl_tasks.files import atomic_directory
@@ -34,8 +35,6 @@ def partition_dir(root: Path, dataset: str, seed: int) -> Path:
 def build_partition(name: str, cfg: DatasetConfig, seed: int) -> tuple[pd.DataFrame, dict]:
     """The partition table (rows grouped by client, each in source order) and its manifest."""
     import pandas as pd
-
-    from pfl_tasks.data.schema import validate_partition
 
     rng = np.random.default_rng([seed, _stable_int(name)])
     data = load_source(cfg.source, rng)
@@ -192,8 +191,6 @@ def load_partition(directory: Path) -> FederatedData:
     if _sha256(table) != manifest.table_sha256:
         raise DataValidationError(f"{table} does not match its manifest's table_sha256")
     import pandas as pd
-
-    from pfl_tasks.data.schema import validate_partition
 
     df = pd.read_parquet(table)
     validate_partition(df, manifest.task, manifest.n_classes, manifest.n_clients)
