@@ -1,9 +1,9 @@
 """A stage's params checked before its heavy imports (Prefect, MLflow, torch: 5 s of a stage's
 start), so that a config error answers early: the params file's own schema and the experiment the
 command line names in 0.3 s, then every run's algorithm and hyper-parameters once torch is in
-(1.2 s on a quiet 2-core VM, where torch's import is 1.0 s). Each heavy entry point, run as a command, parses its command line first (`--help` and
-its errors), then calls this (`python -m flows.train nosuch`); the stage's own checks of its
-inputs follow the imports."""
+(1.2 s on a quiet 2-core VM, where torch's import is 1.0 s). Each heavy entry point, run as a
+command, parses its command line first (`--help` and its errors), then calls this
+(`python -m flows.train nosuch`); the stage's own checks of its inputs follow the imports."""
 
 from __future__ import annotations
 
