@@ -109,12 +109,48 @@ def stackable(net: nn.Module) -> bool:
 
 
 def stacked_forward(net: nn.Sequential, params: dict[str, torch.Tensor], x: torch.Tensor,
-                    start: int = 0, stop: int | None = None, saved: list | None = None) -> torch.Tensor:
+                    start: int = 0, stop: int | None = None, saved: list | None = None,
+                    outputs: dict | None = None) -> torch.Tensor:
     """A stackable net's outputs for K clients at once, each with its own parameters:
     `params` [K, ...] and `x` [K, B, ...] give [K, B, outputs], by batched matmuls (ordinary
     autograd then gives each client's gradient in its own slice, without vmap). With `start`
     and `stop`, only the modules net[start:stop]. `saved`, if given, receives what
-    `stacked_backward` needs: each module's index with its input (Linear, Flatten) or output (ReLU)."""
+    `stacked_backward` needs: each module's index with its input (Linear, Flatten) or output (ReLU);
+    `outputs` each Linear's output by its index."""
+    return _forward(net, x, lambda i, h: _linear(params, i, h), start, stop, saved, outputs)
+
+
+def first_linear(net: nn.Sequential) -> int:
+    return next(i for i, module in enumerate(net) if isinstance(module, nn.Linear))
+
+
+def interpolated_forward(net: nn.Sequential, a: torch.Tensor, v: dict[str, torch.Tensor],
+                         theta: dict[str, torch.Tensor], x: torch.Tensor, saved: list,
+                         gaps: dict[int, torch.Tensor], theta_first: torch.Tensor | None = None) -> torch.Tensor:
+    """`stacked_forward` at the interpolation a v + (1 - a) theta (a [K], per client) without
+    forming it: each Linear's output is a times v's output plus (1 - a) times theta's, two
+    products that read the parameters as they are (forming the interpolation would read both
+    stacks and write a third, every step). `saved` receives what `stacked_forward` saves, and
+    `gaps` each Linear's v output minus theta's: the outputs' derivative in a. `theta_first`,
+    if given, is theta's output of the first Linear on `x` (a forward pass of theta's own has
+    it), not computed again."""
+    first = first_linear(net)
+
+    def linear(i: int, h: torch.Tensor) -> torch.Tensor:
+        out_theta = theta_first if i == first and theta_first is not None else _linear(theta, i, h)
+        gaps[i] = _linear(v, i, h).sub_(out_theta)
+        return torch.addcmul(out_theta, gaps[i], a.view(-1, 1, 1))
+
+    return _forward(net, x, linear, 0, None, saved)
+
+
+def _linear(params: dict[str, torch.Tensor], i: int, h: torch.Tensor) -> torch.Tensor:
+    weight, bias = params[f"{i}.weight"].transpose(1, 2), params.get(f"{i}.bias")
+    return torch.bmm(h, weight) if bias is None else torch.baddbmm(bias.unsqueeze(1), h, weight)
+
+
+def _forward(net: nn.Sequential, x: torch.Tensor, linear, start: int, stop: int | None,
+             saved: list | None, outputs: dict | None = None) -> torch.Tensor:
     modules = list(net)  # indexing the Sequential itself builds a new one per slice
     for i in range(start, len(modules) if stop is None else stop):
         module = modules[i]
@@ -123,13 +159,19 @@ def stacked_forward(net: nn.Sequential, params: dict[str, torch.Tensor], x: torc
         if isinstance(module, nn.Flatten):
             x = x.flatten(2)
         elif isinstance(module, nn.Linear):
-            weight, bias = params[f"{i}.weight"].transpose(1, 2), params.get(f"{i}.bias")
-            x = torch.bmm(x, weight) if bias is None else torch.baddbmm(bias.unsqueeze(1), x, weight)
+            x = linear(i, x)
+            if outputs is not None:
+                outputs[i] = x
         else:
             x = torch.relu(x)
             if saved is not None:
                 saved[-1] = (i, x)
     return x
+
+
+def _through(module: nn.Module, kept: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """Backpropagation through a ReLU (`kept` its output) or a Flatten (`kept` its input)."""
+    return d.mul_(kept > 0) if isinstance(module, nn.ReLU) else d.view(kept.shape)
 
 
 def stacked_backward(net: nn.Sequential, params: dict[str, torch.Tensor], saved: list,
@@ -154,10 +196,8 @@ def stacked_backward(net: nn.Sequential, params: dict[str, torch.Tensor], saved:
 
     for i, kept in reversed(saved):
         module = modules[i]
-        if isinstance(module, nn.ReLU):
-            d = d.mul_(kept > 0)
-        elif isinstance(module, nn.Flatten):
-            d = d.view(kept.shape)
+        if not isinstance(module, nn.Linear):
+            d = _through(module, kept, d)
         else:
             below = torch.bmm(d, params[f"{i}.weight"]) if i > first else None
             weight, bias = f"{i}.weight", f"{i}.bias"
@@ -174,6 +214,37 @@ def stacked_backward(net: nn.Sequential, params: dict[str, torch.Tensor], saved:
             d = below
         if i <= first:
             return
+
+
+def interpolated_backward(net: nn.Sequential, a: torch.Tensor, v: dict[str, torch.Tensor],
+                          theta: dict[str, torch.Tensor], saved: list, gaps: dict[int, torch.Tensor],
+                          d_out: torch.Tensor, lr: float) -> torch.Tensor:
+    """Backpropagation by hand through `interpolated_forward`, as `stacked_backward`'s SGD step
+    for v alone: each client's v stepped in place by -lr times the gradient in v of
+    sum_b <d_out[k, b], outputs[k, b]> (a times the gradient at the interpolation), every
+    product with v taken before it moves; returns that sum's derivative in a, per client [K]
+    (each Linear's <d, gap>: the inner product <v - theta, gradient at the interpolation>).
+    `d_out` is overwritten."""
+    modules, d, a_rows, first = list(net), d_out, a.view(-1, 1, 1), first_linear(net)
+    slope = torch.zeros_like(a)
+    for i, kept in reversed(saved):
+        module = modules[i]
+        if not isinstance(module, nn.Linear):
+            d = _through(module, kept, d)
+            continue
+        slope += (d * gaps[i]).sum((1, 2))
+        d_v = d * a_rows
+        weight, bias = f"{i}.weight", f"{i}.bias"
+        below = None
+        if i > first:
+            below = torch.baddbmm(torch.bmm(d_v, v[weight]), d.mul_(1 - a_rows), theta[weight])
+        v[weight].baddbmm_(d_v.transpose(1, 2), kept, alpha=-lr)
+        if bias in v:
+            v[bias].add_(d_v.sum(1), alpha=-lr)
+        d = below
+        if i == first:
+            break
+    return slope
 
 
 def frozen_prefix(params, trainable: set[str]) -> int:

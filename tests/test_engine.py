@@ -277,6 +277,44 @@ def test_backpropagation_by_hand_equals_autograd(trainable, task, descend):
         torch.testing.assert_close(grads[n], leaves[n].grad, atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("task", ["classification", "regression"])
+def test_a_step_at_an_interpolation_by_hand_equals_autograd(task):
+    """`interpolated_forward` and `interpolated_backward` (APFL's fused step) give each client's
+    loss at a v + (1 - a) theta its autograd gradients, for a two-hidden-layer MLP over
+    image-shaped inputs: v steps by -lr times the gradient in v (a times the one at the
+    interpolation), theta stays, and the derivative in a is returned."""
+    from pfl_tasks.config import MLPNet
+    from pfl_tasks.engine.state import interpolate, replicate
+    from pfl_tasks.nets import build_net, init_params, interpolated_backward, interpolated_forward, stacked_forward
+
+    k, b, outputs = 3, 5, 4 if task == "classification" else 1
+    net = build_net(MLPNet(kind="mlp", hidden=[6, 5]), (1, 3, 3), outputs)
+    gen = torch.Generator().manual_seed(1)
+    base = replicate(init_params(net, 0), k)
+    v, theta = ({n: t + 0.3 * torch.randn(t.shape, generator=gen) for n, t in base.items()} for _ in range(2))
+    a = torch.tensor([0.2, 0.5, 0.9])
+    x = torch.randn(k, b, 1, 3, 3, generator=gen)
+    y = torch.randint(outputs, (k, b), generator=gen) if task == "classification" else torch.randn(k, b, generator=gen)
+    mask = torch.ones(k, b)
+    mask[1, 2:] = 0
+
+    leaves = {n: t.clone().requires_grad_() for n, t in v.items()}
+    share = a.clone().requires_grad_()
+    losses = per_sample(task, stacked_forward(net, interpolate(share, leaves, theta), x), y)
+    ((losses * mask).sum(1) / mask.sum(1)).sum().backward()
+
+    trainer = VectorizedTrainer.__new__(VectorizedTrainer)
+    trainer.task = task
+    moved, kept = ({n: t.clone() for n, t in tree.items()} for tree in (v, theta))
+    saved, gaps = [], {}
+    out = interpolated_forward(net, a, moved, kept, x, saved, gaps)
+    slope = interpolated_backward(net, a, moved, kept, saved, gaps, trainer._loss_gradient(out, y, mask), lr=0.5)
+    torch.testing.assert_close(slope, share.grad, atol=1e-6, rtol=1e-5)
+    for n in v:
+        torch.testing.assert_close(moved[n], v[n] - 0.5 * leaves[n].grad, atol=1e-6, rtol=1e-5)
+        assert torch.equal(kept[n], theta[n])
+
+
 def per_sample(task, out, y):
     from pfl_tasks.engine.executor import per_sample_loss
 

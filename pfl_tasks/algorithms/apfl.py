@@ -32,7 +32,7 @@ from pfl_tasks.algorithms.base import Algorithm, HyperParams
 from pfl_tasks.algorithms.registry import register
 from pfl_tasks.engine import optim
 from pfl_tasks.engine.executor import clientwise
-from pfl_tasks.engine.state import broadcast, per_row, replicate, row_sums
+from pfl_tasks.engine.state import broadcast, interpolate, per_row, replicate
 
 
 class APFLHyper(HyperParams):
@@ -42,11 +42,6 @@ class APFLHyper(HyperParams):
     decay_mu: Annotated[float, Field(gt=0)] | None = None
     decay_kappa: Annotated[float, Field(gt=0)] = 1.0
     average_iterates: bool = False
-
-
-def mixture(alpha, v, theta):
-    """a v + (1 - a) theta, a per client (a stack's [K], or one client's)."""
-    return {k: torch.lerp(theta[k], t, per_row(alpha, t)) for k, t in v.items()}
 
 
 @register
@@ -107,27 +102,23 @@ class APFL(Algorithm):
                      "seen_weight": payload["weight_sum"].expand(k).clone(),
                      "seen_global": {n: v.expand(k, *v.shape).clone() for n, v in payload["global_sum"].items()}}
 
-        # plain SGD at a fixed lr runs theta's step fused into its backward pass (`data_step`),
-        # no gradient of theta stored
+        # plain SGD at a fixed lr runs both steps fused into their backward passes, no gradient stored
         plain = optim.plain_sgd(cfg) and hp.decay_mu is None
 
-        @clientwise  # per-client values (alpha, step counts) act on their own rows: per_row, row_sums
+        @clientwise  # per-client values (alpha, step counts) act on their own rows
         def step(carry, data_loss, aux, batch):
             theta, v, alpha = carry["theta"], carry["local"], carry["alpha"]
+            opt_theta, opt_local = carry["opt_theta"], carry["opt_local"]
             eta = self.step_size(cfg.lr, carry["steps_done"], local.steps or local.epochs)
-            g_mix = batch.data_grad(mixture(alpha, v, theta))
-            new_alpha = alpha
-            if hp.adaptive_alpha:
-                inner = sum(row_sums((v[k] - theta[k]).mul_(g_mix[k]), alpha) for k in v)
-                new_alpha = torch.clamp(alpha - alpha_lr * inner, 0.0, 1.0)
-            opt_theta = carry["opt_theta"]
             if plain:
-                batch.data_step(theta, eta)
+                slope = batch.interpolation_step(alpha, v, theta, eta, theta_step=True)
             else:
+                g_v, slope = batch.interpolation_grad(alpha, v, theta)
                 theta, opt_theta = optim.apply(cfg, theta, batch.data_grad(theta), opt_theta, eta)
-            v, opt_local = optim.apply(cfg, v, {k: g.mul_(per_row(alpha, g)) for k, g in g_mix.items()},
-                                       carry["opt_local"], eta)
-            return {"theta": theta, "local": v, "alpha": new_alpha, "steps_done": carry["steps_done"] + 1,
+                v, opt_local = optim.apply(cfg, v, g_v, opt_local, eta)
+            if hp.adaptive_alpha:
+                alpha = torch.clamp(alpha - alpha_lr * slope, 0.0, 1.0)
+            return {"theta": theta, "local": v, "alpha": alpha, "steps_done": carry["steps_done"] + 1,
                     "opt_theta": opt_theta, "opt_local": opt_local}
 
         trained = ("local", "alpha", "steps_done")
@@ -153,7 +144,7 @@ class APFL(Algorithm):
             total = self.catch_up(state, server["weight_sum"], server["global_sum"])
             return {k: v / server["weight_sum"] for k, v in total.items()}, True
 
-        return mixture(state["alpha"], state["local"], server["global"]), True
+        return interpolate(state["alpha"], state["local"], server["global"]), True
 
     def global_model(self, server, clients):
         if self.hp.average_iterates:

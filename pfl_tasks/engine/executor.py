@@ -26,9 +26,10 @@ from torch.func import functional_call, grad, vmap
 from pfl_tasks.config import LocalConfig
 from pfl_tasks.data import ClientSplit
 from pfl_tasks.engine import optim
-from pfl_tasks.engine.state import Params, Stack, Tree, to_device, tree_map, tree_zip
+from pfl_tasks.engine.state import Params, Stack, Tree, interpolate, per_row, row_sums, to_device, tree_map, tree_zip
 from pfl_tasks.engine.streams import LOCAL, Stream, StreamKey, client_keys, row_hashes
-from pfl_tasks.nets import frozen_prefix, stackable, stacked_backward, stacked_forward
+from pfl_tasks.nets import (first_linear, frozen_prefix, interpolated_backward, interpolated_forward, stackable,
+                            stacked_backward, stacked_forward)
 
 DataLoss = Callable[[Params], torch.Tensor]
 Objective = Callable[[DataLoss, Params, Tree], torch.Tensor]
@@ -41,6 +42,7 @@ class Batch:
     `weight` sums to 1 over real rows (0 on padding), `extra` holds this step's slice of the
     `per_step` tensors. `data_grad(params)` is the gradient of the data loss on this batch at
     `params` (fresh tensors, the caller's to overwrite); `data_step` an SGD step on it, in place;
+    `interpolation_grad` and `interpolation_step` the same at an interpolation of two models;
     `grad(loss, has_aux)` is `torch.func.grad` of a loss of the step's own over this batch (a
     custom forward pass). Each call of any is one forward-backward pass, counted by the engine
     for the compute."""
@@ -52,6 +54,7 @@ class Batch:
     record_pass: Callable[[], None]  # a pass the step computes by hand calls it
     data_grad: Callable[[Params], Params]
     fused_step: Callable[[Params, float, tuple[Params, float] | None], None] | None = None  # data_step's
+    fused_interpolation_step: Callable[[torch.Tensor, Params, Params, float, bool], torch.Tensor] | None = None
 
     def data_step(self, params: Params, lr: float, pull: tuple[Params, float] | None = None) -> None:
         """params -= lr * (the data loss's gradient at params), in place; with `pull` (anchors,
@@ -63,6 +66,27 @@ class Batch:
             add_pull(g, params, *pull)
         for k, t in params.items():
             t.add_(g[k], alpha=-lr)
+
+    def interpolation_grad(self, a: torch.Tensor, v: Params, theta: Params) -> tuple[Params, torch.Tensor]:
+        """For the data loss f at the interpolation a v + (1 - a) theta (a per client): its
+        gradient in v, a grad f(...), and its derivative in a, <v - theta, grad f(...)>."""
+        g = self.data_grad(interpolate(a, v, theta))
+        slope = sum(row_sums((v[k] - theta[k]).mul_(g[k]), a) for k in v)
+        return {k: t.mul_(per_row(a, t)) for k, t in g.items()}, slope
+
+    def interpolation_step(self, a: torch.Tensor, v: Params, theta: Params, lr: float,
+                           theta_step: bool = False) -> torch.Tensor:
+        """v -= lr * (`interpolation_grad`'s gradient in v), in place, and with `theta_step`
+        theta's own `data_step` at lr too (the two passes then share theta's first product);
+        returns the derivative in a. Everything at the values before the steps."""
+        if self.fused_interpolation_step is not None:
+            return self.fused_interpolation_step(a, v, theta, lr, theta_step)
+        g, slope = self.interpolation_grad(a, v, theta)
+        if theta_step:
+            self.data_step(theta, lr)
+        for k, t in v.items():
+            t.add_(g[k], alpha=-lr)
+        return slope
 
     def grad(self, loss: Callable, has_aux: bool = False) -> Callable:
         gradient = grad(loss, has_aux=has_aux)
@@ -433,7 +457,24 @@ class VectorizedTrainer(LocalTrainer):
             def data_step(p, lr, pull):  # p stepped as the backward pass leaves it
                 self._backward(p, x, y, mask, p, 0, lr, pull)
 
-            return step(c, data_loss, a, Batch(x, y, weight, extra, self._record_pass, data_grad, data_step))
+            def interpolation_step(share, v, theta, lr, theta_step):  # stepped as the backward passes leave them
+                theta_saved, theta_outputs, theta_first = [], {}, None
+                if theta_step:
+                    self._record_pass()
+                    d_theta = self._loss_gradient(
+                        stacked_forward(self.net, theta, x, saved=theta_saved, outputs=theta_outputs), y, mask)
+                    theta_first = theta_outputs[first_linear(self.net)]
+                saved, gaps = [], {}
+                self._record_pass()
+                out = interpolated_forward(self.net, share, v, theta, x, saved, gaps, theta_first)
+                slope = interpolated_backward(self.net, share, v, theta, saved, gaps,
+                                              self._loss_gradient(out, y, mask), lr)
+                if theta_step:  # theta moves last: the passes above read it
+                    stacked_backward(self.net, theta, theta_saved, d_theta, theta, lr)
+                return slope
+
+            return step(c, data_loss, a, Batch(x, y, weight, extra, self._record_pass, data_grad, data_step,
+                                               interpolation_step))
 
         stepped = stack_step if stackable(self.net) and getattr(step, "clientwise", False) else vmap(client_step)
         for s, plan in enumerate(plans):

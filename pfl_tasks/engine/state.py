@@ -102,6 +102,11 @@ def per_row(values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return values.reshape(-1, *([1] * (like.dim() - 1)))
 
 
+def interpolate(a: torch.Tensor, v: Params, theta: Params) -> Params:
+    """a v + (1 - a) theta, a per client (a stack's [K], or one client's)."""
+    return {k: torch.lerp(theta[k], t, per_row(a, t)) for k, t in v.items()}
+
+
 def row_sums(t: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """`t` summed within each client's row, shaped as the per-client `values`: [K] for a stack,
     a scalar for one client (a step written for either: `clientwise`)."""
