@@ -40,6 +40,7 @@ from pfl_tasks.engine.checkpoint import load_checkpoint, save_checkpoint
 from pfl_tasks.errors import CheckpointError, OutputLockedError, RunStopped, TrackingError
 from pfl_tasks.files import OutputLock, check_output_dir, remove_stale_temporaries
 from pfl_tasks.outputs import headline, pin, pinned_run, progress, write_dvc_outputs
+from pfl_tasks.selection import tracked_series
 from pfl_tasks.tracking import MlflowRun, flatten, retrying, stored_run, tracking_uri
 
 
@@ -228,7 +229,7 @@ class Run:
         self.tracker.log_params_and_tags(params, {**tags, IDENTITY_TAG: self.identity_tag()})
         history = self.resumed.get("history", []) if self.resumed else []
         if history:
-            self.logged_through = self.tracker.last_step(list(history[-1])[-1])
+            self.logged_through = self.tracker.last_step(list(tracked_series(history[-1]))[-1])
         elif run_id is not None:  # retrained into its finished run: MLflow holds the records up to its end
             self.logged_through = None
 
@@ -318,12 +319,12 @@ class Run:
 
     def log(self, history: list[dict]) -> None:
         """Send MLflow the records it has not had yet (after any checkpoint due: a rerun then
-        finds them in the checkpoint)."""
+        finds them in the checkpoint), as `tracked_series`."""
         if self.logged_through is None:  # a run retrained into its MLflow run: ask it what it holds
             if not history:
                 return
-            self.logged_through = self.tracker.last_step(list(history[-1])[-1])
-        self.tracker.log_records([r for r in history if r[self.unit] > self.logged_through], self.unit)
+            self.logged_through = self.tracker.last_step(list(tracked_series(history[-1]))[-1])
+        self.tracker.log_records([tracked_series(r) for r in history if r[self.unit] > self.logged_through], self.unit)
         self._logged_at = time.monotonic()
         if history:
             self.logged_through = max(self.logged_through, history[-1][self.unit])

@@ -4,7 +4,7 @@ import torch
 from conftest import split_from
 from pfl_tasks.engine.evaluate import evaluate_clients, summarize
 from pfl_tasks.config import PlateauRule
-from pfl_tasks.selection import final_metrics, plateau, selected_index
+from pfl_tasks.selection import SPREAD, final_metrics, plateau, selected_index, summarize_eval, tracked_series
 from torch import nn
 
 
@@ -18,6 +18,21 @@ def test_summary_statistics_by_hand():
     assert s["min"] == acc.double().min().item()
     loss = summarize(acc, n, higher_is_better=False)
     assert abs(loss["worst10"] - (1.0 + 0.9) / 2) < 1e-6
+
+
+def test_mlflow_s_series_drop_only_the_spread_which_the_final_metrics_keep():
+    """Per evaluation MLflow gets each summary's mean, weighted mean and worst 10%, the costs and
+    an algorithm's round metrics; std, min and max only under final/ and selected/."""
+    per_client = {"acc": torch.tensor([0.5, 0.9]), "loss": torch.tensor([1.0, 0.2]), "n": torch.tensor([3.0, 1.0])}
+    summaries = summarize_eval({"val": {"personalized": per_client}, "test": {"global": per_client}})
+    record = {"round": 4, **summaries, "compute/grad_samples": 10, "rounds/skipped": 0, "cfl/clusters": 2}
+    series = tracked_series(record)
+    stats = {k.rsplit("_", 1)[-1] for k in summaries}
+    assert set(SPREAD) < stats
+    assert {k.rsplit("_", 1)[-1] for k in series if k.count("/") == 2} == stats - set(SPREAD) == {"mean", "weighted", "worst10"}
+    assert len(series) == 1 + 2 * 2 * 3 + 3 and list(series)[-1] == "cfl/clusters"
+    final = final_metrics([record], "classification")
+    assert {f"final/{k}" for k in summaries} <= set(final) and "selected/val/personalized/acc_std" in final
 
 
 def test_every_client_evaluated_on_its_own_split_with_its_own_model():
