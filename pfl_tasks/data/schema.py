@@ -47,10 +47,10 @@ def partition_schema(task: str, n_classes: int, n_clients: int) -> pa.DataFrameS
     )
 
 
-def feature_failures(df: pd.DataFrame) -> list[str]:
-    """A line per failing column besides the named ones: not a feature f<j>, not float32, or
+def feature_failures(df: pd.DataFrame, named: list[str]) -> list[str]:
+    """A line per failing column besides the `named` ones: not a feature f<j>, not float32, or
     with values that are not BOUNDED (the first 5, with their clients)."""
-    features, named = df.filter(regex=FEATURE_PATTERN), list(partition_schema("regression", 0, 1).columns)
+    features = df.filter(regex=FEATURE_PATTERN)
     lines = [f"column '{c}' fails being in the schema ({', '.join(named)}, f0, f1, ...)"
              for c in df.columns if c not in named and c not in features]
     lines += [f"column '{c}' fails dtype float32: it is {t}" for c, t in features.dtypes.items() if t != np.float32]
@@ -70,9 +70,9 @@ def validate_partition(df: pd.DataFrame, task: str, n_classes: int, n_clients: i
     """Raise DataValidationError naming the failing columns/clients; return None if valid."""
     import pandera.pandas as pa
 
-    lines = []
+    lines, schema = [], partition_schema(task, n_classes, n_clients)
     try:
-        partition_schema(task, n_classes, n_clients).validate(df, lazy=True)
+        schema.validate(df, lazy=True)
     except pa.errors.SchemaErrors as err:
         for (column, check), group in err.failure_cases.groupby(["column", "check"], dropna=False, sort=False):
             rows = [i for i in group["index"].tolist() if i is not None and i == i][:5]
@@ -80,7 +80,7 @@ def validate_partition(df: pd.DataFrame, task: str, n_classes: int, n_clients: i
             values = group["failure_case"].tolist()[:5]
             where = f" (clients {clients})" if clients else ""
             lines.append(f"column '{column}' fails {check}: values {values}{where}")
-    lines += feature_failures(df)
+    lines += feature_failures(df, list(schema.columns))
     if lines:
         raise DataValidationError("partition table is invalid:\n  " + "\n  ".join(lines))
     present = df.groupby("client_id")["split"].agg(set)
