@@ -121,6 +121,7 @@ def stacked_forward(net: nn.Sequential, params: dict[str, torch.Tensor], x: torc
 
 
 def first_linear(net: nn.Sequential) -> int:
+    """The index of a stackable net's first Linear: the one whose input is the data."""
     return next(i for i, module in enumerate(net) if isinstance(module, nn.Linear))
 
 

@@ -169,3 +169,19 @@ def test_the_local_step_loop_never_reads_values_back(digits6, device, executor, 
     (short_reads, short_compute), (long_reads, long_compute) = reads_and_compute(1), reads_and_compute(3)
     assert long_compute > short_compute  # the longer budget did run more steps
     assert long_reads == short_reads
+
+
+def test_a_nonfinite_entry_is_found_and_an_overflowing_sum_of_finite_ones_is_not(digits6):
+    """The divergence check: any NaN or infinity in any server or client tensor names it;
+    finite entries whose sum overflows float32 do not."""
+    fed = tiny_federation(digits6, "ditto", "vectorized", "cpu", HP.get("ditto"))
+    state = fed.initial_state()
+    name, tensor = next((n, t) for n, t in leaves(state.clients) if t.is_floating_point() and t.numel() > 2)
+    tensor.fill_(3e38)  # finite: its sum is infinite
+    assert fed.nonfinite(state) is None
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        tensor.view(-1)[1] = bad
+        assert fed.nonfinite(state) == f"clients.{name}"
+    tensor.view(-1)[0] = float("inf")  # inf - inf: a NaN sum
+    tensor.view(-1)[1] = -float("inf")
+    assert fed.nonfinite(state) == f"clients.{name}"
