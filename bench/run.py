@@ -246,8 +246,15 @@ def p8(reps: int, algorithms: list[str]) -> dict:
             "multiply_adds_per_sample": macs, "rows": rows}
 
 
+def run_cpu_seconds() -> float:
+    """This process's CPU time (every thread's) and its children's: the MLflow store process's."""
+    import psutil
+
+    return time.process_time() + sum(sum(child.cpu_times()[:2]) for child in psutil.Process().children())
+
+
 class TimedSteps(InlineSteps):
-    """Inline steps that note the process's CPU time (every thread's) when each round of a
+    """Inline steps that note the run's CPU time (`run_cpu_seconds`) when each round of a
     training run starts, and the main thread's CPU time inside each round and evaluation."""
 
     def __init__(self):
@@ -255,7 +262,7 @@ class TimedSteps(InlineSteps):
         self.starts, self.engine = [], []
 
     def round(self, fed, state, round_idx):
-        self.starts.append(time.process_time())
+        self.starts.append(run_cpu_seconds())
         return self._timed(super().round, fed, state, round_idx)
 
     def evaluate(self, fed, done, state):
@@ -272,8 +279,8 @@ class TimedSteps(InlineSteps):
 def p8_bookkeeping(rounds: int, reps: int) -> dict:
     """What a training run (`train_run`: MLflow, the run's history and outputs, its console
     line, its checks) adds to each evaluated round on the P8 setup with FedAvg, evaluation every
-    round, 1 thread: the process's CPU time from the first round's start to the last's (every
-    thread's, the MLflow records' own included; the run's start and finish not counted), less
+    round, 1 thread: the CPU time from the first round's start to the last's of every thread of
+    the process and of the MLflow store process (the run's start and finish not counted), less
     the main thread's CPU time inside those rounds and their evaluations, as a share of the
     former; the median over `reps` runs, each into a fresh output and MLflow store, and their
     range. Both from the same run: the difference against rounds played bare in other minutes
@@ -412,7 +419,7 @@ def p2(reps: int, rounds: int) -> list[dict]:
     from prefect.task_runners import ThreadPoolTaskRunner
 
     from flows.prepare import prepare
-    from flows.train import PrefectSteps, RoundSteps
+    from flows.prefect_rounds import PrefectSteps, RoundSteps
 
     params = load_params("params-digits.yaml")
     exp = params.experiment("digits").model_copy(update={"seed": 0})

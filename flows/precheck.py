@@ -3,7 +3,9 @@ start), so that a config error answers early: the params file's own schema and t
 command line names in 0.3 s, then every run's algorithm and hyper-parameters once torch is in
 (1.2 s on a quiet 2-core VM, where torch's import is 1.0 s). Each heavy entry point, run as a
 command, parses its command line first (`--help` and its errors), then calls this
-(`python -m flows.train nosuch`); the stage's own checks of its inputs follow the imports."""
+(`python -m flows.train nosuch`); the stage's own checks of its inputs follow the imports. Once
+the params file reads, the MLflow store process starts (`pfl_tasks.store_process`): MLflow's
+imports and the store's opening then run beside torch's and Prefect's."""
 
 from __future__ import annotations
 
@@ -12,6 +14,8 @@ import sys
 
 from pfl_tasks.config import load_params
 from pfl_tasks.errors import ConfigError
+from pfl_tasks.store_process import start as start_store_process
+from pfl_tasks.tracking import tracking_uri
 
 
 def check_params_first(stage: str, params_path: str, experiment: str) -> None:
@@ -20,6 +24,7 @@ def check_params_first(stage: str, params_path: str, experiment: str) -> None:
     try:
         params = load_params(params_path)
         params.experiment(experiment)
+        start_store_process(tracking_uri(params.tracking.mlflow_uri))  # MLflow loads beside torch
         from pfl_tasks.algorithms import validate_params  # torch, but not yet Prefect or MLflow
 
         validate_params(params)  # each run's algorithm and hyper-parameters

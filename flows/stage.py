@@ -99,6 +99,8 @@ def prefect_api(ui: bool = False) -> Iterator[str]:
         PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS, temporary_settings,
     )
 
+    quiet_prefect_logs()  # its handlers exist now
+
     # a server of ours is on this machine: a request it fails twice (about 2 s) means it died;
     # the client's default, 5 retries, waits about 70 s per request for a dead server
     ours = {PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None, PREFECT_CLIENT_MAX_RETRIES: 1}
@@ -229,28 +231,41 @@ class QuietExpectedErrors(logging.Filter):
         return run not in self.failed_runs
 
 
+_QUIET: list[tuple[QuietExpectedErrors, set[logging.Handler]]] = []  # the active filter, the handlers it is on
+
+
 @contextlib.contextmanager
 def quiet_expected_errors() -> Iterator[None]:
-    """`QuietExpectedErrors` on the root logger's handlers, where Prefect's run loggers reach
-    the console, and on those of its internal loggers; and no "--- Error logging to API ---"
-    per batch of logs a dead server did not take (Prefect prints those only while
-    `logging.raiseExceptions`, the stdlib's debug mode)."""
+    """`QuietExpectedErrors` on the console's handlers (`quiet_prefect_logs`); and no "--- Error
+    logging to API ---" per batch of logs a dead server did not take (Prefect prints those only
+    while `logging.raiseExceptions`, the stdlib's debug mode)."""
+    quiet, raising = (QuietExpectedErrors(), set()), logging.raiseExceptions
+    _QUIET.append(quiet)
+    quiet_prefect_logs()
+    logging.raiseExceptions = False
+    try:
+        yield
+    finally:
+        logging.raiseExceptions = raising
+        _QUIET.remove(quiet)
+        for handler in quiet[1]:
+            handler.removeFilter(quiet[0])
+
+
+def quiet_prefect_logs() -> None:
+    """The active `QuietExpectedErrors` on the root logger's handlers, where Prefect's run loggers
+    reach the console, and on those of its internal loggers: again once Prefect is imported (a
+    stage imports it only to orchestrate), since it sets up its handlers as it loads."""
     handlers = set(logging.getLogger().handlers)
     for name in DEAD_SERVER_NOISE:  # Prefect's internal loggers have handlers of their own
         logger = logging.getLogger(name)
         while logger is not None:
             handlers.update(logger.handlers)
             logger = logger.parent if logger.propagate else None
-    quiet, raising = QuietExpectedErrors(), logging.raiseExceptions
-    for handler in handlers:
-        handler.addFilter(quiet)
-    logging.raiseExceptions = False
-    try:
-        yield
-    finally:
-        logging.raiseExceptions = raising
-        for handler in handlers:
-            handler.removeFilter(quiet)
+    for quiet, filtered in _QUIET:
+        for handler in handlers - filtered:
+            handler.addFilter(quiet)
+            filtered.add(handler)
 
 
 def stage_main(name: str, work: Callable[[], object]) -> int:

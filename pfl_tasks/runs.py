@@ -41,6 +41,7 @@ from pfl_tasks.errors import CheckpointError, OutputLockedError, RunStopped, Tra
 from pfl_tasks.files import OutputLock, check_output_dir, remove_stale_temporaries
 from pfl_tasks.outputs import headline, pin, pinned_run, progress, write_dvc_outputs
 from pfl_tasks.selection import tracked_series
+from pfl_tasks.store_process import StoreClient
 from pfl_tasks.tracking import MlflowRun, flatten, retrying, stored_run, tracking_uri
 
 
@@ -229,9 +230,14 @@ class Run:
         self.tracker.log_params_and_tags(params, {**tags, IDENTITY_TAG: self.identity_tag()})
         history = self.resumed.get("history", []) if self.resumed else []
         if history:
-            self.logged_through = self.tracker.last_step(list(tracked_series(history[-1]))[-1])
+            self.logged_through = self._stored_through(history)
         elif run_id is not None:  # retrained into its finished run: MLflow holds the records up to its end
             self.logged_through = None
+
+    def _stored_through(self, history: list[dict]) -> int:
+        """The last step whose record MLflow holds: the last at which it holds the last key of
+        the last record (a record's keys are logged in order)."""
+        return self.tracker.last_step(list(tracked_series(history[-1]))[-1])
 
     def identity_tag(self) -> str:
         return f"{self.identity['config_hash']}@{self.identity.get('platform', '')}"
@@ -248,9 +254,7 @@ class Run:
         run_id = pinned_run(outcome) if isinstance(outcome, dict) and outcome.get("status") == "finished" else None
         if run_id is None:
             return None
-        from mlflow.tracking import MlflowClient
-
-        run = retrying(lambda: stored_run(MlflowClient(tracking_uri(self.tracking.mlflow_uri)), run_id), "get run",
+        run = retrying(lambda: stored_run(StoreClient(tracking_uri(self.tracking.mlflow_uri)), run_id), "get run",
                        self.tracking.retry_seconds, stopping=self._stopping)
         if run is None or run.data.tags.get(IDENTITY_TAG) != self.identity_tag():
             return None
@@ -323,7 +327,7 @@ class Run:
         if self.logged_through is None:  # a run retrained into its MLflow run: ask it what it holds
             if not history:
                 return
-            self.logged_through = self.tracker.last_step(list(tracked_series(history[-1]))[-1])
+            self.logged_through = self._stored_through(history)
         self.tracker.log_records([tracked_series(r) for r in history if r[self.unit] > self.logged_through], self.unit)
         self._logged_at = time.monotonic()
         if history:

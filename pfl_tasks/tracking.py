@@ -1,12 +1,12 @@
 """The MLflow store: where runs are tracked (`tracking_uri`), opening it once (`open_store`), one
 run's record (`MlflowRun`: params, tags, metrics, artifacts, its end) with every call retried while
-the store is briefly unavailable, and the tags a comparison groups runs by (`run_tags`)."""
+the store is briefly unavailable, and the tags a comparison groups runs by (`run_tags`). Their
+store calls run in the store process (`pfl_tasks.store_process`)."""
 
 from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import fcntl
 import hashlib
 import os
 import subprocess
@@ -16,6 +16,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from pfl_tasks.errors import RunStopped, TrackingError
+from pfl_tasks.store_process import StoreClient, sqlite_path, transient
+
+ACTIVE_ONLY = 1  # MLflow's ViewType.ACTIVE_ONLY: the runs not deleted
 
 
 def git_commit() -> str:
@@ -63,25 +66,6 @@ def tracking_uri(configured: str) -> str:
     return uri
 
 
-_UNREACHABLE = ("ConnectionError", "ConnectTimeout", "ReadTimeout", "Timeout", "MaxRetryError", "NewConnectionError")
-
-
-def _transient(err: BaseException) -> bool:
-    """A locked sqlite store, a server briefly down, overloaded or slow: worth another try (a
-    permission or a missing file is not). MLflow wraps a failed request's error in an
-    MlflowException raised while handling it, so the cause/context chain is read."""
-    from mlflow.exceptions import MlflowException
-
-    while err is not None:
-        if isinstance(err, MlflowException) and err.error_code in ("TEMPORARILY_UNAVAILABLE", "REQUEST_LIMIT_EXCEEDED"):
-            return True
-        if isinstance(err, (ConnectionError, TimeoutError)) or type(err).__name__ in _UNREACHABLE \
-                or "database is locked" in str(err):
-            return True
-        err = err.__cause__ or err.__context__
-    return False
-
-
 def retrying(call, what: str, bound: float, first_wait: float = 0.5, stopping: Callable[[], None] = lambda: None):
     """`call()`, retried with exponential backoff (0.5 s doubling to 8 s) while it fails
     transiently, for at most `bound` seconds; then TrackingError. The tries run on a thread of
@@ -98,7 +82,7 @@ def retrying(call, what: str, bound: float, first_wait: float = 0.5, stopping: C
                 result.set_result(call())
                 return
             except Exception as err:
-                if not _transient(err):
+                if not transient(err):
                     result.set_exception(err)
                     return
                 latest[:] = [err]
@@ -117,19 +101,6 @@ def retrying(call, what: str, bound: float, first_wait: float = 0.5, stopping: C
         given_up.set()
         raise
     return result.result()
-
-
-@contextlib.contextmanager
-def _store_lock(uri: str):
-    """Serializes first use of a sqlite store across processes (MLflow migrates a new database
-    on first use, and two processes doing so at once fail)."""
-    path = sqlite_path(uri)
-    if path is None:
-        yield
-        return
-    with open(f"{path}.lock", "a") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        yield
 
 
 def artifact_location(uri: str, experiment: str) -> str | None:
@@ -158,18 +129,10 @@ def local_artifact_dir(store_uri: str, artifact_uri: str) -> Path | None:
     return store.resolve().parent.joinpath(*below)
 
 
-def sqlite_path(uri: str) -> Path | None:
-    if not uri.startswith("sqlite:///"):
-        return None
-    return Path(uri.removeprefix("sqlite:///").split("?")[0])
-
-
 def open_store(uri: str) -> None:
     """Fail fast, before any training, on a store that cannot work, and create (migrate) it
     once. Errors name `tracking.mlflow_uri`."""
     import urllib.request
-
-    from mlflow.tracking import MlflowClient
 
     where = f"tracking.mlflow_uri ({uri})"
     path = sqlite_path(uri)
@@ -188,11 +151,10 @@ def open_store(uri: str) -> None:
                 pass
         except OSError as err:
             raise TrackingError(f"{where}: no MLflow server answers ({err})") from None
-    with _store_lock(uri):
-        try:
-            MlflowClient(tracking_uri=uri).search_experiments(max_results=1)
-        except Exception as err:
-            raise TrackingError(f"{where}: cannot open the store: {str(err).strip().splitlines()[0][:300]}") from None
+    try:
+        StoreClient(uri).open()
+    except Exception as err:
+        raise TrackingError(f"{where}: cannot open the store: {str(err).strip().splitlines()[0][:300]}") from None
 
 
 class MlflowRun:
@@ -206,13 +168,10 @@ class MlflowRun:
                  tags: dict[str, str] | None = None, stopping: Callable[[], None] = lambda: None):
         """`tags` are set at creation (or on resume), so a run is findable from its first moment;
         `stopping` may give up a store call that waits (see `retrying`)."""
-        from mlflow.entities import RunTag
-        from mlflow.tracking import MlflowClient
-
         self.retry_seconds, self.stopping = retry_seconds, stopping
         self._sender = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mlflow-records")
         self._in_flight: concurrent.futures.Future | None = None
-        self.client = MlflowClient(tracking_uri=tracking_uri(uri))
+        self.client = StoreClient(tracking_uri(uri))
         exp = self._call("get experiment", self.client.get_experiment_by_name, experiment)
         exp_id = exp.experiment_id if exp else self._call(
             "create experiment", self.client.create_experiment, experiment, artifact_location(tracking_uri(uri), experiment))
@@ -223,11 +182,10 @@ class MlflowRun:
             for stale in ("failure", "diverged_at"):  # of the attempt this one resumes
                 if stale in run.data.tags:
                     self._call("resume run", self.client.delete_tag, self.run_id, stale)
-            self._call("tag run", self.client.log_batch, self.run_id,
-                       tags=[RunTag(k, v) for k, v in (tags or {}).items()])
+            self._call("tag run", self.client.log_batch, self.run_id, tags=texts(tags or {}))
             return
         self.run_id = self._call("create run", self.client.create_run, exp_id, run_name=run_name,
-                                 tags=tags or {}).info.run_id
+                                 tags=dict(texts(tags or {}))).info.run_id
 
     def __enter__(self) -> MlflowRun:
         return self
@@ -253,24 +211,18 @@ class MlflowRun:
             in_flight.result(timeout)
 
     def log_params_and_tags(self, params: dict[str, str], tags: dict[str, str]) -> None:
-        from mlflow.entities import Param, RunTag
-
         self.drain()
-
         existing = self._call("read params", self.client.get_run, self.run_id).data.params
-        fresh = [Param(k, v[:6000]) for k, v in params.items() if k not in existing]
-        self._call("log params", self.client.log_batch, self.run_id, params=fresh,
-                   tags=[RunTag(k, v) for k, v in tags.items()])
+        fresh = [(k, v[:6000]) for k, v in texts(params) if k not in existing]
+        self._call("log params", self.client.log_batch, self.run_id, params=fresh, tags=texts(tags))
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         self.log_records([{"step": step, **metrics}], "step")
 
     def log_records(self, records: list[dict], step_key: str) -> None:
         """Each record's values at the step `record[step_key]`, in as few calls as MLflow allows."""
-        from mlflow.entities import Metric
-
         now = int(time.time() * 1000)
-        batch = [Metric(k, float(v), now, int(r[step_key])) for r in records for k, v in r.items() if k != step_key]
+        batch = [(k, float(v), now, int(r[step_key])) for r in records for k, v in r.items() if k != step_key]
 
         def send() -> None:
             for i in range(0, len(batch), 1000):  # MLflow's per-call limit
@@ -292,13 +244,11 @@ class MlflowRun:
     def fail_stale_runs(self, tags: dict[str, str], reason: str) -> list[str]:
         """Mark FAILED every other RUNNING run carrying `tags` (a host among them) whose `pid`
         is no live process on this host: left by a process that died."""
-        from mlflow.entities import ViewType
-
         self.drain()
         run = self._call("get run", self.client.get_run, self.run_id)
         query = " and ".join([f"tags.`{k}` = '{v}'" for k, v in tags.items()] + ["attributes.status = 'RUNNING'"])
         stale = [r.info.run_id for r in self._call(
-            "search runs", self.client.search_runs, [run.info.experiment_id], query, ViewType.ACTIVE_ONLY, 100)
+            "search runs", self.client.search_runs, [run.info.experiment_id], query, ACTIVE_ONLY, 100)
             if r.info.run_id != self.run_id and not _alive(r.data.tags.get("pid"))]
         for run_id in stale:
             self._call("mark stale run", self.client.set_tag, run_id, "failure", reason)
@@ -324,15 +274,19 @@ class MlflowRun:
         self._call("end run", self.client.set_terminated, self.run_id, status=status, bound=bound)
 
 
-def stored_run(client, run_id: str):
-    """The store's run `run_id`, None when the store does not hold it (it was reset, or lost);
-    every other error raises."""
-    from mlflow.exceptions import MlflowException
+def texts(values: dict) -> list[tuple[str, str]]:
+    """Keys and values as plain `str`: a subclass (torch's version string) would make the store
+    process import its module to read them."""
+    return [(str(k), str(v)) for k, v in values.items()]
 
+
+def stored_run(client, run_id: str):
+    """The store's run `run_id` (from an MlflowClient or a StoreClient), None when the store does
+    not hold it (it was reset, or lost); every other error raises."""
     try:
         return client.get_run(run_id)
-    except MlflowException as err:
-        if err.error_code == "RESOURCE_DOES_NOT_EXIST":
+    except Exception as err:
+        if getattr(err, "error_code", None) == "RESOURCE_DOES_NOT_EXIST":
             return None
         raise
 
@@ -340,9 +294,7 @@ def stored_run(client, run_id: str):
 def unmarked_runs(uri: str, run_ids: list[str], retry_seconds: float) -> list[str]:
     """Those of `run_ids` that the store does not hold marked FINISHED (failed, still RUNNING, or
     gone from a lost or reset store)."""
-    from mlflow.tracking import MlflowClient
-
-    client = MlflowClient(tracking_uri=uri)
+    client = StoreClient(uri)
     runs = {run_id: retrying(lambda r=run_id: stored_run(client, r), "get run", retry_seconds) for run_id in run_ids}
     return [run_id for run_id, run in runs.items() if run is None or run.info.status != "FINISHED"]
 

@@ -93,7 +93,7 @@ def test_client_stacks_on_the_gpu_are_refused_with_ray():
 def test_ray_chunks_ask_for_the_gpu_only_on_a_cuda_engine(monkeypatch):
     import ray  # `make test` installs it (README, Tests: what may skip)
 
-    from flows.train import ray_options
+    from flows.prefect_rounds import ray_options
 
     engine = EngineConfig(gpus_per_chunk=0.25)
     assert ray_options(engine, torch.device("cpu")) == {"num_gpus": 0}

@@ -14,6 +14,7 @@ import pytest
 import torch
 import yaml
 
+import flows.prefect_rounds
 import flows.train
 from conftest import mlflow_uri, tiny_params
 from pfl_tasks.outputs import PINNED_RUN, pinned_run
@@ -36,14 +37,14 @@ def test_a_params_edit_during_a_stage_runs_nothing_of_it_and_fails_the_stage(
     data["tracking"] = {"mlflow_uri": mlflow_uri()}
     path = project / "params.yaml"
     path.write_text(yaml.safe_dump(data))
-    trained = flows.train.train_run
+    trained = flows.prefect_rounds.train_run  # what each flow run calls
 
     def then_edited(*args, **kwargs):
         result = trained(*args, **kwargs)
         path.write_text(yaml.safe_dump({**data, "local": {**data["local"], "optimizer": {"lr": 0.07}}}))
         return result
 
-    monkeypatch.setattr(flows.train, "train_run", then_edited)
+    monkeypatch.setattr(flows.prefect_rounds, "train_run", then_edited)
     assert flows.train.main(["tiny", "--params", str(path), "--root", str(project)]) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("train")]
     assert err == [f"train failed: {path.resolve()} changed during the stage, which ran on the version it read "
@@ -145,11 +146,11 @@ def test_a_lost_store_is_rebuilt_from_the_checkpoints(project):
 def test_an_mlflow_error_resuming_a_run_is_raised_not_split_into_a_new_run(project, monkeypatch):
     """Only "no such run" starts a new MLflow run on resume; any other store error fails the
     run, which keeps its one MLflow run."""
-    from mlflow.exceptions import MlflowException
-    from mlflow.tracking import MlflowClient
+    import sqlite3
 
     from flows.train import train_experiment
     from pfl_tasks.engine.federation import Federation
+    from pfl_tasks.store_process import StoreCallError, sqlite_path
 
     path, uri = own_store_params(project)
     evaluate = Federation.evaluate
@@ -158,12 +159,12 @@ def test_an_mlflow_error_resuming_a_run_is_raised_not_split_into_a_new_run(proje
         train_experiment("tiny", path, str(project))
     monkeypatch.setattr(Federation, "evaluate", evaluate)
 
-    def refused(self, run_id, *args, **kwargs):
-        raise MlflowException("the store refused the update", error_code="INTERNAL_ERROR")
-
-    monkeypatch.setattr(MlflowClient, "update_run", refused)
-    with pytest.raises(MlflowException, match="refused the update"):
+    with sqlite3.connect(sqlite_path(uri)) as store:  # a store that refuses to set a run RUNNING again
+        store.execute("CREATE TRIGGER refused BEFORE UPDATE OF status ON runs WHEN NEW.status = 'RUNNING' "
+                      "BEGIN SELECT RAISE(ABORT, 'the store refused the update'); END")
+    with pytest.raises(StoreCallError, match="refused the update") as raised:
         train_experiment("tiny", path, str(project))
+    assert raised.value.error_code == "BAD_REQUEST" and not raised.value.transient
     _, runs = output_runs(uri)
     assert [r.info.status for r in runs] == ["FAILED"]
 

@@ -20,7 +20,7 @@ LAYERS = [
     ("pfl_tasks.engine",),
     ("pfl_tasks.algorithms",),
     ("pfl_tasks.selection", "pfl_tasks.stats"),
-    ("pfl_tasks.tracking", "pfl_tasks.outputs"),
+    ("pfl_tasks.store_process", "pfl_tasks.tracking", "pfl_tasks.outputs"),
     ("pfl_tasks.runs",),
     ("pfl_tasks.training", "pfl_tasks.reports", "pfl_tasks.estimate", "pfl_tasks.tuning"),
     ("flows",),
