@@ -246,23 +246,22 @@ def p8(reps: int, algorithms: list[str]) -> dict:
             "multiply_adds_per_sample": macs, "rows": rows}
 
 
-def run_cpu_seconds() -> float:
-    """This process's CPU time (every thread's) and its children's: the MLflow store process's."""
-    import psutil
-
-    return time.process_time() + sum(sum(child.cpu_times()[:2]) for child in psutil.Process().children())
-
-
 class TimedSteps(InlineSteps):
-    """Inline steps that note the run's CPU time (`run_cpu_seconds`) when each round of a
-    training run starts, and the main thread's CPU time inside each round and evaluation."""
+    """Inline steps that note the run's CPU time when each round of a training run starts (this
+    process's, every thread's, and its children's: the MLflow store process's, found once at
+    the first round, since looking for children scans every process), and the main thread's
+    CPU time inside each round and evaluation."""
 
     def __init__(self):
         super().__init__(1)
-        self.starts, self.engine = [], []
+        self.starts, self.engine, self.children = [], [], None
 
     def round(self, fed, state, round_idx):
-        self.starts.append(run_cpu_seconds())
+        import psutil
+
+        if self.children is None:
+            self.children = psutil.Process().children()
+        self.starts.append(time.process_time() + sum(sum(child.cpu_times()[:2]) for child in self.children))
         return self._timed(super().round, fed, state, round_idx)
 
     def evaluate(self, fed, done, state):
