@@ -1,11 +1,12 @@
-"""A stage's params checked before its heavy imports (Prefect, MLflow, torch: 5 s of a stage's
-start), so that a config error answers early: the params file's own schema and the experiment the
+"""A stage's params checked before its heavy imports (torch, Prefect, MLflow: 3-5 s of a stage's
+start when they loaded one after the other), so that a config error answers early: the params file's own schema and the experiment the
 command line names in 0.3 s, then every run's algorithm and hyper-parameters once torch is in
 (1.2 s on a quiet 2-core VM, where torch's import is 1.0 s). Each heavy entry point, run as a
 command, parses its command line first (`--help` and its errors), then calls this
 (`python -m flows.train nosuch`); the stage's own checks of its inputs follow the imports. Once
 the params file reads, the MLflow store process starts (`pfl_tasks.store_process`): MLflow's
-imports and the store's opening then run beside torch's and Prefect's."""
+imports and the store's opening then run on another core beside the stage's own (torch's, and
+Prefect's when it orchestrates)."""
 
 from __future__ import annotations
 
