@@ -257,9 +257,9 @@ class TimedSteps(InlineSteps):
         self.starts, self.engine, self.children = [], [], None
 
     def round(self, fed, state, round_idx):
-        import psutil
-
         if self.children is None:
+            import psutil
+
             self.children = psutil.Process().children()
         self.starts.append(time.process_time() + sum(sum(child.cpu_times()[:2]) for child in self.children))
         return self._timed(super().round, fed, state, round_idx)

@@ -239,17 +239,17 @@ def quiet_expected_errors() -> Iterator[None]:
     """`QuietExpectedErrors` on the console's handlers (`quiet_prefect_logs`); and no "--- Error
     logging to API ---" per batch of logs a dead server did not take (Prefect prints those only
     while `logging.raiseExceptions`, the stdlib's debug mode)."""
-    quiet, raising = (QuietExpectedErrors(), set()), logging.raiseExceptions
-    _QUIET.append(quiet)
+    quiet, filtered, raising = QuietExpectedErrors(), set(), logging.raiseExceptions
+    _QUIET.append((quiet, filtered))
     quiet_prefect_logs()
     logging.raiseExceptions = False
     try:
         yield
     finally:
         logging.raiseExceptions = raising
-        _QUIET.remove(quiet)
-        for handler in quiet[1]:
-            handler.removeFilter(quiet[0])
+        _QUIET.remove((quiet, filtered))
+        for handler in filtered:
+            handler.removeFilter(quiet)
 
 
 def quiet_prefect_logs() -> None:
