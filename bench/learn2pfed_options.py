@@ -38,10 +38,11 @@ import torch
 
 from pfl_tasks.algorithms.learn2pfed import FLOOR, Cells
 from pfl_tasks.algorithms.learn2pfed_meta import (
-    Best, client_metrics, evaluate, make_optimizer, meta_step, padded_problem, personalized_models, split_validation,
+    client_metrics, evaluate, make_optimizer, meta_step, padded_problem, personalized_models, split_validation,
     theta,
 )
 from pfl_tasks.config import load_params
+from pfl_tasks.selection import Selection
 from pfl_tasks.estimate import built_partition
 
 RESULTS = Path(__file__).parent / "results"
@@ -88,10 +89,10 @@ def one_run(cfg, form: str, train, supervise, select, val, test, seed: int) -> d
     w0 = torch.zeros(train.dim, dtype=torch.float64)
     args = (train, cfg.cells, cfg.tied, cfg.init.model_dump(), torch.Generator().manual_seed(seed))
     cells = LogCholeskyCells(*args) if form == "log-cholesky" else Cells(*args, cfg.lambda_)
-    opt, best = make_optimizer(cells, cfg.meta), Best(higher_is_better=False)
+    opt, best = make_optimizer(cells, cfg.meta), Selection(higher_is_better=False)
 
     def offer(epoch: int, v: torch.Tensor, state: dict) -> None:
-        best.offer(epoch, client_metrics(select, v)["mse"].mean().item(), state)
+        best.offer(epoch, client_metrics(select, v)["mse"], state)
 
     for epoch in range(cfg.meta.epochs):
         state = theta(cells)
@@ -103,7 +104,7 @@ def one_run(cfg, form: str, train, supervise, select, val, test, seed: int) -> d
     cells.load_state_dict(best.state)
     mse = {split: evaluate(cells, train, problem, w0, cfg)["personalized"]["mse"].mean().item()
            for split, problem in (("val", val), ("test", test))}
-    return {"diverged": False, **mse, "selected_epoch": best.epoch, "meta_loss_last": loss}
+    return {"diverged": False, **mse, "selected_epoch": best.index, "meta_loss_last": loss}
 
 
 def measure(quick: bool, held_out: bool) -> dict:

@@ -1,7 +1,7 @@
 """Learn2pFed with its meta-epoch selected on validation, against local and pooled least
 squares, on the polynomial tasks (poly1-poly3 and their data-scarce variants), 3 seeds, both
 supervision signals: the meta-training as the `learn2pfed` stage runs it (`flows.learn2pfed`'s
-meta-epochs, `Best`, the held-out half of the validation rows under `val` supervision), in this
+meta-epochs, `Selection`, the held-out half of the validation rows under `val` supervision), in this
 process on the same partitions. Test MSE of the selected Theta and of the last one; local least
 squares is the optimum Local-only training can reach, pooled least squares FedAvg's.
 
@@ -25,9 +25,10 @@ from bench.learn2pfed_options import RESULTS, TASKS, problems
 from flows.learn2pfed import Problems, meta_epochs, selection_scores
 from pfl_tasks.algorithms.learn2pfed import Cells
 from pfl_tasks.algorithms.learn2pfed_meta import (
-    Best, client_metrics, make_optimizer, personalized_models, split_validation,
+    client_metrics, make_optimizer, personalized_models, split_validation,
 )
 from pfl_tasks.config import load_params
+from pfl_tasks.selection import Selection
 
 KEY = "val/personalized/mse_mean"
 
@@ -44,13 +45,13 @@ def one_run(cfg, train, val, test, supervision: str, seed: int) -> dict:
     supervise, select, _ = (train, val, []) if supervision == "train" else split_validation(val)
     rows = Problems(train, supervise, select, test, torch.zeros(train.dim, dtype=torch.float64), "", "", "")
     cells = Cells(train, cfg.cells, cfg.tied, cfg.init.model_dump(), torch.Generator().manual_seed(seed), cfg.lambda_)
-    opt, best = make_optimizer(cells, cfg.meta), Best(higher_is_better=False)
-    meta_epochs.fn(cells, opt, cfg, rows, 0, cfg.meta.epochs, best, KEY)
+    opt, best = make_optimizer(cells, cfg.meta), Selection(higher_is_better=False)
+    meta_epochs.fn(cells, opt, cfg, rows, 0, cfg.meta.epochs, best)
     last = personalized_models(cells, train, rows.w0, cfg)
-    best.offer(cfg.meta.epochs, selection_scores(rows, last)[KEY], {k: v.clone() for k, v in cells.state_dict().items()})
+    best.offer(cfg.meta.epochs, selection_scores(rows, last)[1], {k: v.clone() for k, v in cells.state_dict().items()})
     cells.load_state_dict(best.state)
     selected = personalized_models(cells, train, rows.w0, cfg)
-    return {"selected_epoch": best.epoch,
+    return {"selected_epoch": best.index,
             "selected": client_metrics(test, selected)["mse"].mean().item(),
             "last": client_metrics(test, last)["mse"].mean().item()}
 

@@ -48,7 +48,7 @@ from flows.stage import check_prefect_api, prefect_api, stage_main, stage_name
 from pfl_tasks.algorithms import build, source_file, validate_params
 from pfl_tasks.algorithms.learn2pfed import Cells
 from pfl_tasks.algorithms.learn2pfed_meta import (
-    HELD_OUT_HALF, Best, client_metrics, costs, evaluate, make_optimizer, meta_step, padded_problem, participation,
+    HELD_OUT_HALF, client_metrics, costs, evaluate, make_optimizer, meta_step, padded_problem, participation,
     personalized_models, split_validation, theta,
 )
 from pfl_tasks.config import Learn2pFedConfig, ResolvedExperiment, config_hash, load_params
@@ -63,7 +63,7 @@ from pfl_tasks.nets import build_net, embed, head_keys, split_net
 from pfl_tasks.outputs import write_client_tables, write_csv
 from pfl_tasks.runs import Run, RunPaths
 from pfl_tasks.engine.evaluate import HIGHER_IS_BETTER
-from pfl_tasks.selection import PRIMARY, final_metrics, summarize_eval
+from pfl_tasks.selection import PRIMARY, Selection, final_metrics, summarize_eval, validation_values
 from pfl_tasks.tracking import flatten, open_store, run_tags, tracking_uri
 from pfl_tasks.training import finished
 from pfl_tasks.tuning import tuned
@@ -183,21 +183,27 @@ def build_problems(exp, params, cfg: Learn2pFedConfig, supervision: str, root: P
     return Problems(train, supervise, select, test, w0, upstream, data.manifest_hash, data.partition)
 
 
-def selection_scores(problems: Problems, v: torch.Tensor) -> dict[str, float]:
-    """The personalized models' `val/personalized/...` aggregates on the selection rows."""
-    return summarize_eval({"val": {"personalized": client_metrics(problems.select, v)}})
+def selection_scores(problems: Problems, v: torch.Tensor) -> tuple[dict[str, float], torch.Tensor]:
+    """The personalized models' `val/personalized/...` aggregates on the selection rows, and each
+    client's primary metric there (what `Selection` is offered)."""
+    metrics = {"val": {"personalized": client_metrics(problems.select, v)}}
+    return summarize_eval(metrics), validation_values(metrics, task_of(problems))
+
+
+def task_of(problems: Problems) -> str:
+    return "classification" if problems.test.n_classes else "regression"
 
 
 @task(**TASK_OPTIONS, task_run_name="meta-epochs-{start}-{stop}")
-def meta_epochs(cells, opt, cfg, problems: Problems, start: int, stop: int, best: Best, key: str) -> list[dict]:
+def meta_epochs(cells, opt, cfg, problems: Problems, start: int, stop: int, selection: Selection) -> list[dict]:
     """Meta-steps `start` to `stop`: each one's losses and the validation scores of the Theta it
-    starts from, which `best` is offered."""
+    starts from, which `selection` is offered."""
     out = []
     for epoch in range(start, stop):
         state = theta(cells)
         loss, fit_loss, v = meta_step(cells, opt, cfg, epoch, problems.train, problems.supervise, problems.w0)
-        scores = selection_scores(problems, v)
-        best.offer(epoch, scores[key], state)
+        scores, values = selection_scores(problems, v)
+        selection.offer(epoch, values, state)
         out.append({"epoch": epoch, "meta/loss": loss, "meta/fit_loss": fit_loss, **scores})
     return out
 
@@ -237,13 +243,13 @@ def learn2pfed_flow(experiment: str, supervision: str, seed: int, params_path: s
     identity = {"experiment": exp.name, "algorithm": run_name, "config_hash": config_hash(config),
                 "config": json.dumps(config, sort_keys=True)}
 
-    task_kind = "classification" if problems.test.n_classes else "regression"
+    task_kind = task_of(problems)
     cells = Cells(problems.train, cfg.cells, cfg.tied, cfg.init.model_dump(), torch.Generator().manual_seed(seed),
                   cfg.lambda_)
     opt = make_optimizer(cells, cfg.meta)
     metric = PRIMARY[task_kind]
     key = f"val/personalized/{metric}_mean"
-    best = Best(HIGHER_IS_BETTER[metric])
+    selection = Selection(HIGHER_IS_BETTER[metric])
     with Run(paths, identity, params.tracking, seed, total=cfg.meta.epochs, unit="epoch",
              on_config_change=on_config_change) as run:
         history = []  # {"epoch", "meta/loss" (supervised), "meta/fit_loss"} per meta-epoch
@@ -252,7 +258,7 @@ def learn2pfed_flow(experiment: str, supervision: str, seed: int, params_path: s
                 cells.load_state_dict(run.resumed["cells"])
                 opt.load_state_dict(run.resumed["optimizer"])
                 history = run.resumed["history"]
-                best = Best(**run.resumed["best"])
+                selection = Selection(**run.resumed["selection"])
             except (KeyError, TypeError, ValueError, RuntimeError) as err:
                 raise CheckpointError(f"{paths.checkpoint}: not this run's state ({first_line(err)})") from None
             print(f"{run.label}: resuming from meta-epoch {len(history)}")
@@ -267,13 +273,13 @@ def learn2pfed_flow(experiment: str, supervision: str, seed: int, params_path: s
 
         def snapshot() -> dict:
             return {**identity, "round": len(history), "budget": cfg.meta.epochs, "cells": cells.state_dict(),
-                    "optimizer": opt.state_dict(), "best": best.as_dict(),
+                    "optimizer": opt.state_dict(), "selection": selection.as_dict(),
                     "history": history, "mlflow_run_id": run.tracker.run_id, "seed": seed}
 
         run.snapshot = snapshot
 
         def advance(start: int, stop: int) -> tuple[int, str] | None:
-            history.extend(meta_epochs(cells, opt, cfg, problems, start, stop, best, key))
+            history.extend(meta_epochs(cells, opt, cfg, problems, start, stop, selection))
             broken = [h["epoch"] for h in history[start:] if not math.isfinite(h["meta/loss"])]
             if broken or not all(torch.isfinite(p).all() for p in cells.parameters()):
                 at = broken[0] + 1 if broken else stop
@@ -287,17 +293,17 @@ def learn2pfed_flow(experiment: str, supervision: str, seed: int, params_path: s
             return run.diverged(*diverged, [])
 
         epochs = cfg.meta.epochs  # the last Theta, after every step, is a candidate too
-        best.offer(epochs, selection_scores(problems, personalized_models(cells, problems.train, problems.w0, cfg))[key],
-                   theta(cells))
+        selection.offer(epochs, selection_scores(problems, personalized_models(cells, problems.train, problems.w0, cfg))[1],
+                        theta(cells))
         selected = copy.deepcopy(cells)
-        selected.load_state_dict(best.state)
+        selected.load_state_dict(selection.state)
         tables = {"selected": evaluate_clients(selected, cfg, problems), "last": evaluate_clients(cells, cfg, problems)}
         spent = costs(problems.train, problems.supervise, cfg)
-        evaluations = [{"round": best.epoch, **summarize_eval(tables["selected"]), **spent},
+        evaluations = [{"round": selection.index, **summarize_eval(tables["selected"]), **spent},
                        {"round": epochs, **summarize_eval(tables["last"]), **spent}]
         # the last Theta's score ends the validation curve (the history's epoch e scores the Theta
         # that epoch starts from), on which the reports judge the plateau
-        final = {**final_metrics(evaluations, task_kind), key: evaluations[1][key]}
+        final = {**final_metrics(evaluations, 0), key: evaluations[1][key]}
         final.update({"meta/loss_first": history[0]["meta/loss"], "meta/loss_last": history[-1]["meta/loss"],
                       "meta/fit_loss_last": history[-1]["meta/fit_loss"]})
         lam = participation(selected)
@@ -314,7 +320,7 @@ def learn2pfed_flow(experiment: str, supervision: str, seed: int, params_path: s
 
         run.finish(final, [{"epoch": h["epoch"], "meta_loss": h["meta/loss"], "fit_loss": h["meta/fit_loss"],
                             "val": h[key]} for h in history], artifacts)
-    print(f"{run.label}: meta-epoch {best.epoch} selected on validation; " + ", ".join(
+    print(f"{run.label}: meta-epoch {selection.index} selected on validation; " + ", ".join(
         f"{k}={v:.4f}" for k, v in final.items() if k.startswith("selected/test/") and k.endswith(("acc_mean", "mse_mean"))))
     return final
 

@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 from flows.environment import local_defaults
+from flows.precheck import pin_numerics_first
 
 
 def arguments() -> argparse.ArgumentParser:
@@ -35,7 +36,7 @@ def arguments() -> argparse.ArgumentParser:
 
 if __name__ == "__main__":  # --help and a command-line error answer before Prefect and MLflow load, which read their settings then
     local_defaults()
-    arguments().parse_args()
+    pin_numerics_first("pipeline", arguments().parse_args().params)
 
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE

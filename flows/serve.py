@@ -18,6 +18,7 @@ import argparse
 import sys
 
 from flows.environment import local_defaults
+from flows.precheck import pin_numerics_first
 
 if __name__ == "__main__":  # before Prefect and MLflow load: they read their settings then
     local_defaults()
@@ -41,6 +42,8 @@ def arguments() -> argparse.ArgumentParser:
 
 if __name__ == "__main__":  # --help and a command-line error answer before Prefect and MLflow load
     arguments().parse_args()
+    # its flow runs inherit these: params.yaml's, which the nightly dvc repro computes under
+    pin_numerics_first("serve", "params.yaml")
 
 from flows.pipeline import pipeline_flow, repro_flow
 from flows.stage import check_prefect_api

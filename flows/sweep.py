@@ -17,12 +17,14 @@ options or as JSON:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import tempfile
 from pathlib import Path
 
 from flows.environment import local_defaults
+from flows.precheck import pin_numerics_first
 
 def arguments() -> argparse.ArgumentParser:
     """The command line of a sweep given by options (the other form is one JSON argument)."""
@@ -44,8 +46,10 @@ def arguments() -> argparse.ArgumentParser:
 
 if __name__ == "__main__":  # --help and command-line errors answer first; then Prefect and MLflow load
     local_defaults()
-    if not (len(sys.argv) == 2 and sys.argv[1].startswith("{")):
-        arguments().parse_args()
+    as_json = len(sys.argv) == 2 and sys.argv[1].startswith("{")
+    with contextlib.suppress(ValueError, AttributeError):  # a bad JSON sweep is refused by main, in one line
+        pin_numerics_first("sweep", json.loads(sys.argv[1]).get("params_path", "params.yaml") if as_json
+                           else arguments().parse_args().params)
 
 import yaml
 from prefect import flow

@@ -56,6 +56,7 @@ from pfl_tasks.config import load_params
 from pfl_tasks.engine.device import torch_threads, usable_cores
 from pfl_tasks.engine.rounds import InlineSteps
 from pfl_tasks.errors import ConfigError
+from pfl_tasks.numerics import NUMERICS_NOTE
 from pfl_tasks.outputs import pinned_run
 from pfl_tasks.tracking import open_store, tracking_uri, unmarked_runs
 from pfl_tasks.training import check_inputs, finished_outcome, train_run
@@ -112,8 +113,9 @@ def train_experiment(
         print(f"{experiment}: {len(runs) - len(todo)} of {len(runs)} runs already finished under the same "
               "config, data and code: kept")
     if todo:
-        print(f"{experiment}: {torch_threads(exp.engine)} torch thread(s) a process (engine.threads: "
-              f"{exp.engine.threads}; {usable_cores()} cores, {exp.engine.max_workers} chunk workers)")
+        print(f"{experiment}: {exp.engine.numerics} numerics ({NUMERICS_NOTE[exp.engine.numerics]}), "
+              f"{torch_threads(exp.engine)} torch thread(s) a process (engine.threads: {exp.engine.threads}; "
+              f"{usable_cores()} cores, {exp.engine.max_workers} chunk workers)")
     if orchestrated and todo:
         from flows.prefect_rounds import task_runner, train_flow
     with prefect_api() if orchestrated and todo else contextlib.nullcontext():

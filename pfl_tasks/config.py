@@ -320,6 +320,9 @@ class EngineConfig(Strict):
     # where the client stacks live between rounds on a GPU: device (no copies), host (pinned,
     # copied per chunk), auto: device when they take at most a quarter of its memory
     client_state: Literal["auto", "host", "device"] = "auto"
+    # on the CPU, pfl_tasks.numerics: portable rounds the same on every x86-64 CPU with AVX2 (one
+    # thread a process); native takes this CPU's fastest code paths, numbers per machine
+    numerics: Literal["portable", "native"] = "portable"
     deterministic: Bool = True  # on CUDA: deterministic kernels only (bit-identical reruns)
     tf32: Bool = False  # on CUDA: TF32 matmuls and convolutions (faster, ~1e-3 relative error)
     gpus_per_chunk: Annotated[float, Field(gt=0, le=1, strict=True)] = 1.0  # Ray on CUDA: a chunk's share of a GPU

@@ -35,7 +35,7 @@ from pfl_tasks.errors import ComparisonError
 from pfl_tasks.files import atomic_write, atomic_write_text, remove_stale_temporaries
 from pfl_tasks.outputs import CLIENTS_CSV, pinned_run, write_csv
 from pfl_tasks.runs import RunPaths
-from pfl_tasks.selection import plateau
+from pfl_tasks.selection import SELECTION_RULE, plateau
 from pfl_tasks.stats import TEST_NAME, WEIGHTED_TEST_NAME, holm, mean_ci, paired_pvalue, paired_weighted_pvalue
 from pfl_tasks.tracking import local_artifact_dir, sqlite_path
 
@@ -307,15 +307,16 @@ def ordered(results: list[MethodResult], weighted: bool = False) -> list[MethodR
                   key=lambda r: (sign * r.score(weighted)[0], r.method))
 
 
-def _p_values(ranked: list[MethodResult], weighted: bool) -> dict[str, float]:
-    """Holm-adjusted p-values of the best (first) against each other, over their common seeds."""
-    best, raw = ranked[0], {}
-    for r in ranked[1:]:
-        common = sorted(s for s in set(best.clients) & set(r.clients) if best.data_hashes[s] == r.data_hashes[s])
+def _p_values(reference: MethodResult, others: list[MethodResult], weighted: bool) -> dict[str, float]:
+    """Holm-adjusted p-values of `reference` against each of `others`, over their common seeds."""
+    raw = {}
+    for r in others:
+        common = sorted(s for s in set(reference.clients) & set(r.clients)
+                        if reference.data_hashes[s] == r.data_hashes[s])
         if not common:
             continue
-        a, b = [best.clients[s] for s in common], [r.clients[s] for s in common]
-        raw[r.method] = (paired_weighted_pvalue(a, b, [best.sizes[s] for s in common]) if weighted
+        a, b = [reference.clients[s] for s in common], [r.clients[s] for s in common]
+        raw[r.method] = (paired_weighted_pvalue(a, b, [reference.sizes[s] for s in common]) if weighted
                          else paired_pvalue(a, b))
     return holm(raw)
 
@@ -325,51 +326,76 @@ def summarize(client, newest: dict[str, dict[int, object]], metric: str,
     """Every method, the ranked ones best first (by the client mean's point estimate), then the
     unranked; each ranked method but the best carries its Holm-adjusted p-value against the
     best, and likewise against the best by the sample-weighted statistic; verdicts by `rule`."""
-    results = [method_result(client, m, by_seed, metric, rule) for m, by_seed in newest.items()]
-    for weighted, key in ((False, "p_vs_best"), (True, "p_vs_best_weighted")):
-        ranked = ordered(results, weighted)
-        if len(ranked) > 1:
-            adjusted = _p_values(ranked, weighted)
-            results = [replace(r, **{key: adjusted[r.method]}) if r.method in adjusted else r for r in results]
+    results = with_p_values([method_result(client, m, by_seed, metric, rule) for m, by_seed in newest.items()])
     by_method = {r.method: r for r in results}
     unranked = sorted((r for r in results if not r.ranked), key=lambda r: r.method)
     return [by_method[r.method] for r in ordered(results)] + unranked
 
 
+def with_p_values(results: list[MethodResult]) -> list[MethodResult]:
+    """`results`, each ranked method but the best with its Holm-adjusted p-values against the
+    best by either statistic."""
+    for weighted, key in ((False, "p_vs_best"), (True, "p_vs_best_weighted")):
+        ranked = ordered(results, weighted)
+        if len(ranked) > 1:
+            adjusted = _p_values(ranked[0], ranked[1:], weighted)
+            results = [replace(r, **{key: adjusted[r.method]}) if r.method in adjusted else r for r in results]
+    return results
+
+
 REFERENCE = "fedavg"  # the baseline whose global model every verdict is read against
 
 
-def verdicts(results: list[MethodResult], weighted: bool) -> dict[str, tuple[str, bool]]:
-    """method -> (its side of FedAvg: 'above', 'below' or 'level' by the point estimate, or
-    '' without a FedAvg row; whether it is in the top group), by one statistic."""
+@dataclass(frozen=True)
+class Verdict:
+    """A method's verdict by one statistic: its side of FedAvg's global model by a paired test
+    ('above' or 'below' where the Holm-adjusted p-value is below alpha, else 'level'; '' without
+    a FedAvg row), that test's p-value and the point estimate's gap, and whether it is in the top
+    group (not significantly different from the best)."""
+
+    side: str
+    p: float | None
+    gap: float | None
+    top: bool
+
+    def said(self) -> str:
+        difference = "significantly" if self.side in ("above", "below") else "not significantly"
+        where = {"above": "above", "below": "below"}.get(self.side, "different from")
+        return f"{difference} {where} FedAvg ({self.gap:+.4f}, p = {self.p:.3g})"
+
+
+def verdicts(results: list[MethodResult], weighted: bool) -> dict[str, Verdict]:
+    """method -> its `Verdict` by one statistic (the ranked methods)."""
     ranked = ordered(results, weighted)
     if not ranked:
         return {}
     reference = next((r for r in ranked if r.method == REFERENCE), None)
+    others = [r for r in ranked if r is not reference]
+    p_values = _p_values(reference, others, weighted) if reference is not None else {}
     higher = HIGHER_IS_BETTER[ranked[0].metric]
     out = {}
     for r in ranked:
-        side = ""
-        if reference is not None and r is not reference:
+        side, gap, p = "", None, p_values.get(r.method)
+        if p is not None:
             gap = r.score(weighted)[0] - reference.score(weighted)[0]
-            side = "level" if gap == 0 else "above" if (gap > 0) == higher else "below"
-        out[r.method] = side, r is ranked[0] or r.indistinguishable(weighted)
+            side = "level" if p >= r.rule.alpha else "above" if (gap > 0) == higher else "below"
+        out[r.method] = Verdict(side, p, gap, r is ranked[0] or r.indistinguishable(weighted))
     return out
 
 
 def flips(results: list[MethodResult]) -> dict[str, str]:
     """method -> a sentence, for each method whose verdict differs between the client mean and
-    the sample-weighted statistic: its side of FedAvg's global model, or its place in the top group."""
+    the sample-weighted statistic by their tests: one calls it significantly above (or below)
+    FedAvg's global model and the other does not, or says the opposite; or it is in the top group
+    by one test and out of it by the other. A point estimate's side alone flags nothing."""
     by_mean, by_weight = verdicts(results, False), verdicts(results, True)
-    by_method = {r.method: r for r in results}
     out = {}
     for method in by_mean.keys() & by_weight.keys():
-        (side, top), (w_side, w_top) = by_mean[method], by_weight[method]
+        mean, weight = by_mean[method], by_weight[method]
+        top, w_top = mean.top, weight.top
         said = []
-        if side and w_side and side != w_side:
-            r, ref = by_method[method], by_method[REFERENCE]
-            said.append(f"it is {side} FedAvg on the client mean ({r.personalized[0] - ref.personalized[0]:+.4f}) "
-                        f"but {w_side} it sample-weighted ({r.weighted[0] - ref.weighted[0]:+.4f})")
+        if mean.side and weight.side and mean.side != weight.side:
+            said.append(f"on the client mean it is {mean.said()}, sample-weighted {weight.said()}")
         if top != w_top:
             said.append(f"it is {'in' if top else 'out of'} the top group on the client mean but "
                         f"{'in' if w_top else 'out of'} it sample-weighted")
@@ -464,8 +490,7 @@ def best_line(results: list[MethodResult], weighted: bool = False) -> str:
 def protocol_lines(rule: VerdictConfig) -> list[str]:
     return [
         "Test accuracy (higher is better) or MSE (lower is better) of each client's personalized model at the "
-        "round selected on the clients' validation "
-        "splits; mean over clients and seeds with a 95% CI (two-level bootstrap: seeds, then clients). "
+        f"round selected on the clients' validation splits: {SELECTION_RULE}; mean over clients and seeds with a 95% CI (two-level bootstrap: seeds, then clients). "
         f"≈: not significantly different from the best ({TEST_NAME}, α = {rule.alpha}). "
         "†: the \"personalized\" model is the global model. "
         "✓: the best on validation (the same mean on the validation splits): what a sweep selects. "
@@ -496,8 +521,11 @@ def markdown(experiment: str, metric: str, results: list[MethodResult], figures:
         f"# {experiment}: comparison",
         "",
         *protocol_lines(rule),
-        "⚑: its verdict (above or below FedAvg's global model, in or out of the top group) differs between the "
-        "client mean and the sample-weighted statistic (the second table, and the sentences under it).",
+        "⚑: its verdict differs between the client mean and the sample-weighted statistic by their tests: one "
+        "calls it significantly above or below FedAvg's global model (each statistic's paired test, against "
+        "FedAvg, Holm-adjusted over the methods) and the other does not or says the opposite, or it is in the top group by "
+        "one and out of it by the other (the second table, and the sentences under it). A difference of point "
+        "estimates alone flags nothing.",
         f"Plateaued: seeds whose mean validation metric over the last {window} of the rounds gained less than "
         f"{tolerance} on the {window} before. Rounds aggregated: per seed, the rounds in which a sampled client "
         "reported, of the rounds run. Compute: samples × forward-backward passes over all clients, the whole run (+ one "

@@ -5,6 +5,9 @@ under the configured `verdicts.plateau`)."""
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import torch
 
 from pfl_tasks.config import PlateauRule
@@ -39,24 +42,63 @@ def tracked_series(record: dict) -> dict:
     return {k: v for k, v in record.items() if not (k.count("/") == 2 and k.rsplit("_", 1)[-1] in SPREAD)}
 
 
-def selected_index(history: list[dict], task: str) -> int:
-    """The evaluation selected on validation: the best personalized mean of the primary metric
-    on the clients' validation splits (the earliest of ties); the last one without validation."""
-    key = f"val/personalized/{PRIMARY[task]}_mean"
-    if key not in history[-1]:
-        return len(history) - 1
-    values = [h[key] for h in history]
-    pick = max if HIGHER_IS_BETTER[PRIMARY[task]] else min
-    return values.index(pick(values))
+SELECTION_RULE = (
+    "the latest evaluation whose mean validation metric over clients is within one standard error of the "
+    "best evaluation's (the standard error of the clients' paired differences): a later evaluation stands "
+    "unless an earlier one is better beyond the validation noise")
 
 
-def final_metrics(history: list[dict], task: str) -> dict[str, float]:
-    """`final/...` from the last evaluation and `selected/...` from the one selected on
-    validation, with their rounds."""
-    last, selected = history[-1], history[selected_index(history, task)]
+def within_noise(best: torch.Tensor, other: torch.Tensor, higher_is_better: bool) -> bool:
+    """Whether `other`'s per-client values fall short of `best`'s by at most one standard error:
+    the mean of the clients' paired shortfalls against their standard error (none with one client)."""
+    shortfall = (best.double() - other.double()) * (1 if higher_is_better else -1)
+    noise = shortfall.std().item() / math.sqrt(len(shortfall)) if len(shortfall) > 1 else 0.0
+    return shortfall.mean().item() <= noise
+
+
+@dataclass
+class Selection:
+    """The evaluation (a round, a meta-epoch) selected on validation by `SELECTION_RULE`, offered
+    one after another with each client's validation metric: the best mean is tracked, and an
+    evaluation within noise of it is selected over the earlier ones, so the rule needs no look
+    back (the selection after n offers is the one before or the n-th). `state`: what the caller
+    keeps of the selected evaluation. Without validation values, the latest is selected."""
+
+    higher_is_better: bool
+    index: int = -1
+    best_index: int = -1
+    best: torch.Tensor | None = None  # the best evaluation's per-client values
+    state: object = None
+
+    def offer(self, index: int, values: torch.Tensor | None, state: object = None) -> bool:
+        """Whether evaluation `index`, with per-client validation `values`, is now the selected one."""
+        if values is not None:
+            values = values.double()
+            sign = 1 if self.higher_is_better else -1
+            if self.best is None or sign * values.mean() > sign * self.best.mean():
+                self.best, self.best_index = values, index
+            elif not within_noise(self.best, values, self.higher_is_better):
+                return False
+        self.index, self.state = index, state
+        return True
+
+    def as_dict(self) -> dict:
+        return {"higher_is_better": self.higher_is_better, "index": self.index, "best_index": self.best_index,
+                "best": self.best, "state": self.state}
+
+
+def validation_values(metrics: dict[str, dict[str, dict[str, torch.Tensor]]], task: str) -> torch.Tensor | None:
+    """Each client's personalized validation value of the task's primary metric, if it has a validation split."""
+    return metrics["val"]["personalized"][PRIMARY[task]] if "val" in metrics else None
+
+
+def final_metrics(history: list[dict], selected: int) -> dict[str, float]:
+    """`final/...` from the last evaluation and `selected/...` from `history[selected]`, the one
+    selected on validation, with their rounds."""
+    last, chosen = history[-1], history[selected]
     out = {f"final/{k}": v for k, v in last.items() if k != "round"}
-    out.update({f"selected/{k}": v for k, v in selected.items() if k != "round"})
-    out["selected/round"] = selected["round"]
+    out.update({f"selected/{k}": v for k, v in chosen.items() if k != "round"})
+    out["selected/round"] = chosen["round"]
     out["final/round"] = last["round"]
     return out
 

@@ -19,13 +19,16 @@ from pfl_tasks.data import FederatedData, load_partition, partition_dir
 from pfl_tasks.data.store import read_manifest
 from pfl_tasks.engine.checkpoint import load_checkpoint
 from pfl_tasks.engine.device import describe, platform, resolve_device, torch_threads
+from pfl_tasks.engine.evaluate import HIGHER_IS_BETTER
 from pfl_tasks.engine.federation import Federation, RunState, clients_per_round
 from pfl_tasks.engine.rounds import Steps
 from pfl_tasks.errors import CheckpointError, DataValidationError
 from pfl_tasks.code_deps import code_hash, numeric_code
 from pfl_tasks.outputs import dvc_curve, evaluation_line, learning_curve_png, pinned_run, write_client_tables
 from pfl_tasks.runs import Run, RunPaths, checkpoint_problem, resume_point
-from pfl_tasks.selection import final_metrics, personalized_is_global, selected_index, summarize_eval
+from pfl_tasks.selection import (
+    PRIMARY, Selection, final_metrics, personalized_is_global, summarize_eval, validation_values,
+)
 from pfl_tasks.tracking import flatten, run_tags
 
 # a run's cumulative cost, summed over clients: local compute (samples x forward-backward
@@ -138,10 +141,12 @@ def train_run(
         ckpt = run.resumed
         if ckpt is None:
             state, history, tables, spent, skipped = fed.initial_state(), [], {}, dict.fromkeys(COSTS, 0), 0
+            selection = Selection(HIGHER_IS_BETTER[PRIMARY[data.task]])
         else:
-            if "spent" not in ckpt:
-                raise CheckpointError(f"{paths.checkpoint}: written before validation splits and cost accounting; "
+            if "selection" not in ckpt:
+                raise CheckpointError(f"{paths.checkpoint}: written before the noise-aware selection rule; "
                                       "rerun with --on-config-change restart")
+            selection = Selection(**ckpt["selection"])
             try:
                 state = fed.restore(ckpt["round"], ckpt["server"], ckpt["clients"])
             except CheckpointError as err:
@@ -161,7 +166,7 @@ def train_run(
                 **identity, "round": state.round, "budget": fedcfg.rounds, "server": state.server,
                 "clients": state.clients,
                 "history": history, "tables": tables, "mlflow_run_id": run.tracker.run_id,
-                "spent": spent, "skipped": skipped, "seed": exp.seed,
+                "spent": spent, "skipped": skipped, "seed": exp.seed, "selection": selection.as_dict(),
             }
 
         run.snapshot = snapshot
@@ -186,7 +191,7 @@ def train_run(
                                 "compute/eval_grad_samples": evaluation.grad_samples,
                                 "rounds/skipped": skipped, **fed.algorithm.round_metrics(state.server)})
                 tables["last"] = evaluation.metrics
-                if selected_index(history, data.task) == len(history) - 1:
+                if selection.offer(len(history) - 1, validation_values(evaluation.metrics, data.task)):
                     tables["selected"] = evaluation.metrics
             return None
 
@@ -205,7 +210,7 @@ def train_run(
         if diverged is not None:
             return run.diverged(*diverged, dvc_curve(history, data.task))
 
-        final = {**final_metrics(history, data.task),
+        final = {**final_metrics(history, selection.index),
                  "selected/personalized_is_global": float(personalized_is_global(tables["selected"]))}
 
         def artifacts(tmp: Path) -> None:

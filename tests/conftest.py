@@ -5,10 +5,14 @@ from __future__ import annotations
 import contextlib
 import tempfile
 
-import pytest
-import torch
+from pfl_tasks.numerics import pin
 
-from flows.environment import local_defaults
+pin("portable")  # the default engine.numerics, as every entry point pins it: before torch loads
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from flows.environment import local_defaults  # noqa: E402
 
 local_defaults()  # as every entry point, before Prefect and MLflow load
 

@@ -76,11 +76,11 @@ def test_checkpoint_of_other_config_is_refused_naming_the_change(project):
 
 
 def test_checkpoint_of_another_platform_is_refused_unless_resumed(project, monkeypatch):
-    """The platform (device, GPU, torch, CUDA, TF32) decides the rounding: a checkpoint from
+    """The platform (device, torch, the CPU's numerics and threads, GPU, CUDA, TF32) decides the rounding: a checkpoint from
     another is refused by default, resumed (with a warning) only when asked."""
     train(project, rounds=3)
     path = RunPaths.of(project, "tiny", "fedprox", 0).checkpoint
-    assert load_checkpoint(path, {})["platform"] == f"device cpu, torch {torch.__version__}"
+    assert load_checkpoint(path, {})["platform"] == f"device cpu, torch {torch.__version__}, numerics portable, threads 1"
     from pfl_tasks import training
 
     monkeypatch.setattr(training, "platform", lambda engine, device: {"device": "cuda", "gpu": "Some GPU"})

@@ -227,8 +227,10 @@ def test_a_clientwise_scan_step_runs_on_the_whole_stack_and_equals_the_reference
     fed, vec = run(digits6, algorithm, "vectorized", local=local)
     _, seq = run(digits6, algorithm, "sequential", local=local)
     assert calls  # the stacked form ran
+    # Adam divides by its second moment's root, which magnifies the two forms' rounding
+    atol = 1e-4 if optimizer else 1e-5
     for view in (fed.algorithm.personalized, lambda s, c: (fed.algorithm.global_model(s, c), False)):
-        assert_trees_close(view(vec.server, vec.clients)[0], view(seq.server, seq.clients)[0])
+        assert_trees_close(view(vec.server, vec.clients)[0], view(seq.server, seq.clients)[0], atol)
 
 
 @pytest.mark.parametrize("descend", [False, True], ids=["gradient", "sgd step"])

@@ -4,7 +4,9 @@ import torch
 from conftest import split_from
 from pfl_tasks.engine.evaluate import evaluate_clients, summarize
 from pfl_tasks.config import PlateauRule
-from pfl_tasks.selection import SPREAD, final_metrics, plateau, selected_index, summarize_eval, tracked_series
+from pfl_tasks.selection import (
+    SPREAD, Selection, final_metrics, plateau, summarize_eval, tracked_series, within_noise,
+)
 from torch import nn
 
 
@@ -31,7 +33,7 @@ def test_mlflow_s_series_drop_only_the_spread_which_the_final_metrics_keep():
     assert set(SPREAD) < stats
     assert {k.rsplit("_", 1)[-1] for k in series if k.count("/") == 2} == stats - set(SPREAD) == {"mean", "weighted", "worst10"}
     assert len(series) == 1 + 2 * 2 * 3 + 3 and list(series)[-1] == "cfl/clusters"
-    final = final_metrics([record], "classification")
+    final = final_metrics([record], 0)
     assert {f"final/{k}" for k in summaries} <= set(final) and "selected/val/personalized/acc_std" in final
 
 
@@ -87,20 +89,65 @@ def test_variants_scored_in_one_pass_equal_one_evaluation_each(stacked, task):
         assert torch.equal(together["n"], alone["n"])
 
 
-def test_the_selected_round_follows_the_validation_metric_only():
-    history = [  # test peaks at round 15, validation at round 10
-        {"round": 5, "val/personalized/acc_mean": 0.6, "val/personalized/mse_mean": 3.0,
-         "test/personalized/acc_mean": 0.5, "test/personalized/mse_mean": 3.0},
-        {"round": 10, "val/personalized/acc_mean": 0.8, "val/personalized/mse_mean": 1.0,
-         "test/personalized/acc_mean": 0.6, "test/personalized/mse_mean": 2.0},
-        {"round": 15, "val/personalized/acc_mean": 0.7, "val/personalized/mse_mean": 2.0,
-         "test/personalized/acc_mean": 0.9, "test/personalized/mse_mean": 0.5},
-    ]
-    assert selected_index(history, "classification") == 1
-    assert selected_index(history, "regression") == 1
-    final = final_metrics(history, "classification")
+def test_final_and_selected_metrics_come_from_the_last_and_the_selected_evaluation():
+    history = [{"round": 5, "test/personalized/acc_mean": 0.5}, {"round": 10, "test/personalized/acc_mean": 0.6},
+               {"round": 15, "test/personalized/acc_mean": 0.9}]
+    final = final_metrics(history, 1)
     assert final["selected/round"] == 10 and final["final/round"] == 15
     assert final["final/test/personalized/acc_mean"] == 0.9 and final["selected/test/personalized/acc_mean"] == 0.6
+
+
+def selected(values: list[list[float]], higher_is_better: bool = True) -> int:
+    selection = Selection(higher_is_better)
+    for i, v in enumerate(values):
+        selection.offer(i, torch.tensor(v))
+    return selection.index
+
+
+def test_a_later_evaluation_within_the_validation_noise_of_the_best_is_selected_over_it():
+    """Round 2 falls short of round 1's best mean by 0.01, but its clients' paired shortfalls
+    (+0.05, -0.03, +0.04, -0.02) average less than their standard error: noise, so the later
+    round stands, where the argmax would take round 1. MSE mirrors it."""
+    rounds = [[0.70, 0.70, 0.70, 0.70], [0.80, 0.82, 0.78, 0.80], [0.75, 0.85, 0.74, 0.82]]
+    assert selected(rounds) == 2
+    assert selected([[-v for v in r] for r in rounds], higher_is_better=False) == 2
+    assert max(range(3), key=lambda i: sum(rounds[i])) == 1
+
+
+def test_an_earlier_evaluation_better_beyond_the_noise_is_kept():
+    """Every client lost 0.01 to 0.03 after round 1: a shortfall of three standard errors."""
+    rounds = [[0.70, 0.70, 0.70, 0.70], [0.80, 0.82, 0.78, 0.80], [0.79, 0.80, 0.75, 0.78]]
+    assert selected(rounds) == 1
+    assert selected([[-v for v in r] for r in rounds], higher_is_better=False) == 1
+    assert selected([[0.5], [0.6], [0.59]]) == 1  # one client: no noise estimate, the argmax
+
+
+def test_noisy_validation_that_makes_the_argmax_pick_the_untrained_start_does_not_fool_the_rule():
+    """A meta-training whose true error falls steadily by less than its validation noise (9
+    clients, noise 0.05 a client): the argmax over noisy means picks epoch 0, the untrained
+    start; the rule selects a trained epoch, one within noise of that maximum."""
+    gen = torch.Generator().manual_seed(98)  # one of the seeds where the argmax picks epoch 0
+    truth = [0.5 - 0.002 * epoch for epoch in range(11)]  # MSE
+    values = [[t + 0.05 * float(torch.randn(1, generator=gen)) for _ in range(9)] for t in truth]
+    means = [sum(v) / 9 for v in values]
+    assert means.index(min(means)) == 0  # the argmax's pick
+    assert selected(values, higher_is_better=False) > 0
+
+
+def test_the_selection_offered_one_at_a_time_is_the_latest_evaluation_within_noise_of_the_best():
+    """The rule needs no look back: after every offer, the selection equals the definition
+    applied to all evaluations so far (random curves, both directions)."""
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(200):
+        higher = trial % 2 == 0
+        curve = (torch.rand(12, 5, generator=gen) * 0.1 + torch.linspace(0, 0.05, 12)[:, None]).tolist()
+        selection = Selection(higher)
+        for n, values in enumerate(curve, 1):
+            selection.offer(n - 1, torch.tensor(values))
+            sign = 1 if higher else -1
+            best = max(range(n), key=lambda i: (sign * sum(curve[i]), -i))
+            latest = max(i for i in range(n) if within_noise(torch.tensor(curve[best]), torch.tensor(curve[i]), higher))
+            assert selection.index == latest
 
 
 def curve(values):

@@ -14,7 +14,7 @@ from pfl_tasks.code_deps import ROOT
 # lowest first; a module may import from its own layer and those below it
 LAYERS = [
     ("pfl_tasks.errors", "pfl_tasks.files", "pfl_tasks.code_deps"),
-    ("pfl_tasks.config", "pfl_tasks.grid"),
+    ("pfl_tasks.config", "pfl_tasks.grid", "pfl_tasks.numerics"),
     ("pfl_tasks.data",),
     ("pfl_tasks.nets",),
     ("pfl_tasks.engine",),

@@ -408,24 +408,65 @@ def two_client_result(method: str, accs, p=None, p_weighted=None):
                         p_vs_best_weighted=p_weighted)
 
 
-def test_a_method_whose_verdict_flips_between_the_statistics_is_marked_with_a_sentence():
-    """Local is below FedAvg on the client mean (its small client does badly) and above it
-    sample-weighted (its large client does well): flagged ⚑ in both tables, with a sentence;
-    Ditto is above FedAvg either way, and best in both, so it is not."""
-    from pfl_tasks.reports import flips, ordered
+def clients_result(method: str, accs: list[float], sizes: list[float]):
+    """One seed of clients with these accuracies and test samples: both statistics, no p-values yet."""
+    from pfl_tasks.reports import MethodResult
+
+    clients, weights = {0: np.array(accs)}, {0: np.array(sizes)}
+    return MethodResult(method, "acc", [0], ["r"], [], mean_ci(list(clients.values())), 0.5, None, None, [2],
+                        [True], None, None, None, method == "fedavg", clients, {0: "h"}, sizes=weights,
+                        weighted=mean_ci(list(clients.values()), weights=list(weights.values())))
+
+
+# 20 clients: 15 small ones (10 test samples each) and 5 large ones (100 each)
+SIZES = [10.0] * 15 + [100.0] * 5
+FEDAVG = [0.60 + 0.002 * i for i in range(15)] + [0.90 + 0.002 * i for i in range(5)]
+
+
+def test_a_method_whose_tests_disagree_between_the_statistics_is_marked_with_a_sentence():
+    """Local loses 0.2 on each small client and gains 0.05 on each large one: significantly below
+    FedAvg on the client mean, not significantly different sample-weighted. Flagged ⚑ in both
+    tables, with a sentence giving both gaps and p-values; Ditto, above FedAvg on every client and
+    best by both, is not."""
+    from pfl_tasks.reports import flips, verdicts, with_p_values
+
+    results = with_p_values([
+        clients_result("ditto", [a + 0.1 for a in FEDAVG], SIZES), clients_result("fedavg", FEDAVG, SIZES),
+        clients_result("local", [a - 0.2 for a in FEDAVG[:15]] + [a + 0.05 for a in FEDAVG[15:]], SIZES)])
+    mean, weighted = verdicts(results, False)["local"], verdicts(results, True)["local"]
+    assert (mean.side, weighted.side) == ("below", "level") and mean.p < 0.05 <= weighted.p
+    assert verdicts(results, False)["ditto"].side == verdicts(results, True)["ditto"].side == "above"
+    sentence = flips(results)["local"]
+    assert sentence.startswith(f"on the client mean it is significantly below FedAvg (-0.1375, p = {mean.p:.3g}), "
+                               f"sample-weighted not significantly different from FedAvg ({weighted.gap:+.4f}, "
+                               f"p = {weighted.p:.3g})")
+    assert "ditto" not in flips(results)
+    text = report_markdown("e", "acc", results, {})
+    assert "| 3 | local⚑ |" in text and f"- ⚑ local: {sentence}." in text
+    assert "| 1 | ditto |" in text
+
+
+def test_a_point_estimate_difference_that_no_test_supports_flags_nothing():
+    """The CFL case: a method level with FedAvg within noise, 0.001 above it on the client mean
+    and 0.001 below it sample-weighted. Its sides by point estimate differ; neither test calls
+    it different from FedAvg, so it is no flip (the tables still show both numbers)."""
+    from pfl_tasks.reports import flips, verdicts, with_p_values
+
+    cfl = [a + (0.004 if i % 2 else -0.002) for i, a in enumerate(FEDAVG[:15])] + [a + d for a, d in zip(FEDAVG[15:], [-0.006, 0.002, -0.004, 0.003, -0.005])]
+    results = with_p_values([clients_result("fedavg", FEDAVG, SIZES), clients_result("cfl", cfl, SIZES)])
+    mean, weighted = verdicts(results, False)["cfl"], verdicts(results, True)["cfl"]
+    assert mean.gap > 0 > weighted.gap and abs(mean.gap) < 0.002 and abs(weighted.gap) < 0.002
+    assert (mean.side, weighted.side) == ("level", "level")
+    assert flips(results) == {}
+    assert "⚑ cfl" not in report_markdown("e", "acc", results, {})
+
+
+def test_a_method_in_the_top_group_by_one_test_only_is_flagged():
+    from pfl_tasks.reports import flips
 
     results = [two_client_result("ditto", [0.70, 0.95]), two_client_result("fedavg", [0.60, 0.90], 0.01, 0.01),
-               two_client_result("local", [0.50, 0.95], 0.01, 0.01)]
-    assert [r.method for r in ordered(results, weighted=True)] == ["ditto", "local", "fedavg"]
-    assert flips(results) == {"local": "it is below FedAvg on the client mean (-0.0250) but above it "
-                                       "sample-weighted (+0.0364)"}
-    text = report_markdown("e", "acc", results, {})
-    assert "| 3 | local⚑ |" in text and "| 2 | local⚑ | 0.9091 [" in text
-    assert "- ⚑ local: it is below FedAvg on the client mean (-0.0250) but above it sample-weighted (+0.0364)." in text
-    assert "| 1 | ditto |" in text and "| 1 | ditto | 0.9273 [" in text
-    # the top group: ditto in both; local joins it sample-weighted only
-    results[2] = replace(results[2], p_vs_best_weighted=0.5)
-    assert flips(results)["local"].endswith("it is out of the top group on the client mean but in it sample-weighted")
+               two_client_result("local", [0.50, 0.95], 0.01, 0.5)]
+    assert flips(results)["local"] == "it is out of the top group on the client mean but in it sample-weighted"
     assert best_line(results, weighted=True) == "top group (not significantly different): ditto (0.9273), local (0.9091)"
 
 

@@ -5,8 +5,8 @@ Supervision is `train` (the paper: the clients' training losses at the last cell
 ([choice]): the cells fit each client's training split and the meta loss is taken on its
 validation split. On training loss alone Lambda = 0 is optimal whenever a client's model class
 holds its own truth, so the longer Theta trains the closer it drifts to local fitting: the
-meta-epoch is selected as a training run's round is, on the clients' validation splits (`Best`:
-Theta after each step, scored by the personalized models it gives). Under `val` supervision each
+meta-epoch is selected as a training run's round is, on the clients' validation splits
+(`pfl_tasks.selection.Selection`: Theta after each step, scored by the personalized models it gives). Under `val` supervision each
 client's validation rows are split in two (`split_validation`), one half for the meta loss and
 the other for the selection, so that the rows the meta-parameters fit never choose them. Either
 way, the final models are the cells run with the selected Theta on each client's training split,
@@ -18,7 +18,7 @@ squares scores 0.2-6.7 on the polynomial data), not a model the method would giv
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 
@@ -82,26 +82,6 @@ def client_metrics(problem: Problem, v: torch.Tensor) -> dict[str, torch.Tensor]
         else:
             metrics["mse"] = loss
     return metrics
-
-
-@dataclass
-class Best:
-    """The meta-epoch selected on validation: Theta after `epoch` meta-steps (its state) whose
-    personalized models scored `value` on the selection rows; the earliest of ties."""
-
-    higher_is_better: bool
-    epoch: int = -1
-    value: float | None = None
-    state: dict | None = None
-
-    def offer(self, epoch: int, value: float, state: dict) -> None:
-        """`state`: a copy of Theta, kept if `value` is the best so far."""
-        if self.value is None or (value > self.value if self.higher_is_better else value < self.value):
-            self.epoch, self.value, self.state = epoch, value, state
-
-    def as_dict(self) -> dict:
-        return {"higher_is_better": self.higher_is_better, "epoch": self.epoch, "value": self.value,
-                "state": self.state}
 
 
 def meta_step(cells: Cells, opt: torch.optim.Optimizer, cfg: Learn2pFedConfig, epoch: int,
