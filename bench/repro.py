@@ -79,6 +79,8 @@ import json, os, sys, time, yaml
 sys.path.insert(0, {str(REPO)!r})
 from flows.environment import local_defaults
 local_defaults()
+from flows.precheck import pin_numerics_first
+pin_numerics_first("cost", {str(REPO / 'params.yaml')!r})
 from flows.prepare import prepare
 from flows.stage import prefect_api
 from flows.train import train_experiment
