@@ -42,7 +42,7 @@ from pfl_tasks.algorithms.learn2pfed_meta import (
     theta,
 )
 from pfl_tasks.config import load_params
-from pfl_tasks.selection import Selection
+from pfl_tasks.selection import Selection, validation_score
 from pfl_tasks.estimate import built_partition
 
 RESULTS = Path(__file__).parent / "results"
@@ -92,7 +92,7 @@ def one_run(cfg, form: str, train, supervise, select, val, test, seed: int) -> d
     opt, best = make_optimizer(cells, cfg.meta), Selection(higher_is_better=False)
 
     def offer(epoch: int, v: torch.Tensor, state: dict) -> None:
-        best.offer(epoch, client_metrics(select, v)["mse"], state)
+        best.offer(epoch, validation_score({"val": {"personalized": client_metrics(select, v)}}, "regression"), state)
 
     for epoch in range(cfg.meta.epochs):
         state = theta(cells)

@@ -51,6 +51,7 @@ import torch
 import yaml
 
 from bench.common import MODELS, interleaved, one_round, p1, p3
+from pfl_tasks import numerics
 from pfl_tasks.algorithms import ALGORITHMS, build
 from pfl_tasks.code_deps import ROOT
 from pfl_tasks.config import TrackingConfig, load_params, parse_params
@@ -161,7 +162,7 @@ def p8_federation(algorithm: str, executor: str, hyper: dict | None = None) -> F
         "datasets": {"mnist": base.datasets["mnist"].model_dump(mode="json")},
         "experiments": {"p8": {"dataset": "mnist", "model": {"kind": "mlp", "hidden": [100]}, "algorithms": [algorithm]}},
         "federation": {"rounds": 1, "eval_every": 1}, "local": {"epochs": 1, "batch_size": 10, "optimizer": {"lr": 0.05}},
-        "engine": {"executor": executor, "device": "cpu", "orchestrator": "inline"},
+        "engine": {"executor": executor, "device": "cpu", "orchestrator": "inline", "numerics": numerics.active()},
         "algorithms": {algorithm: hyper or {}}})
     exp = params.experiment("p8")
     return Federation(exp, build(algorithm, exp.hyper[algorithm]), p8_data())
@@ -244,6 +245,45 @@ def p8(reps: int, algorithms: list[str]) -> dict:
         torch.set_num_threads(threads)
     return {"case": f"P8 the standard-protocol round: {P8_PROTOCOL}", "matmul_gflops": gflops,
             "multiply_adds_per_sample": macs, "rows": rows}
+
+
+def p8_vectorized(reps: int, algorithms: list[str]) -> dict[str, float]:
+    """algorithm -> the median seconds of its vectorized evaluated P8 round, 1 thread, in this
+    process's numerics."""
+    torch.set_num_threads(1)
+    out = {}
+    for name in algorithms:
+        play, _ = evaluated_round(p8_federation(name, "vectorized"))
+        play()  # warm
+        times = []
+        for _ in range(reps):
+            start = time.perf_counter()
+            play()
+            times.append(time.perf_counter() - start)
+        out[name] = statistics.median(times)
+    return out
+
+
+def p8_numerics(reps: int, algorithms: list[str]) -> dict:
+    """P8's vectorized round under portable and under native numerics, each in processes of its
+    own (they are pinned before torch loads), alternating: `reps` processes a mode, each the
+    median of 3 rounds an algorithm; the ratio is portable's median over native's."""
+    seconds = {mode: {name: [] for name in algorithms} for mode in numerics.NUMERICS}
+    for _ in range(reps):
+        for mode in numerics.NUMERICS:
+            env = {**{k: v for k, v in os.environ.items() if k not in numerics.PORTABLE}, "PFL_BENCH_NUMERICS": mode}
+            out = subprocess.run([sys.executable, "-m", "bench.run", "--p8-vectorized", *algorithms], env=env,
+                                 cwd=ROOT, capture_output=True, text=True, check=True)
+            for name, value in json.loads(out.stdout.splitlines()[-1]).items():
+                seconds[mode][name].append(value)
+    rows = [{"algorithm": name, **{f"{mode}_s": statistics.median(seconds[mode][name]) for mode in seconds},
+             "portable_over_native": statistics.median(seconds["portable"][name])
+             / statistics.median(seconds["native"][name])} for name in algorithms]
+    for row in rows:
+        print(f"  {row['algorithm']}: portable {1e3 * row['portable_s']:.0f} ms, native {1e3 * row['native_s']:.0f} ms, "
+              f"{row['portable_over_native']:.2f}x", flush=True)
+    return {"case": f"P8's vectorized round under portable vs native numerics ({P8_PROTOCOL})", "reps": reps,
+            "rows": rows, "median_ratio": statistics.median(r["portable_over_native"] for r in rows)}
 
 
 class TimedSteps(InlineSteps):
@@ -509,6 +549,17 @@ def machine() -> dict:
             "torch": torch.__version__, "python": platform.python_version()}
 
 
+def numerics_markdown(result: dict) -> list[str]:
+    cost = result["p8_numerics"]
+    lines = [f"{cost['case']}: medians over {cost['reps']} processes a mode, alternating. Portable costs "
+             f"{cost['median_ratio']:.2f}x native at the median algorithm; it is the default because only it gives "
+             "the same bits on every x86-64 CPU (pfl_tasks/numerics.py).", "",
+             "| algorithm | portable | native | portable / native |", "|---|---|---|---|"]
+    lines += [f"| {r['algorithm']} | {1e3 * r['portable_s']:.0f} ms | {1e3 * r['native_s']:.0f} ms "
+              f"| {r['portable_over_native']:.2f}x |" for r in cost["rows"]]
+    return lines + [""]
+
+
 def p8_markdown(result: dict) -> list[str]:
     p8, book = result["p8"], result["p8_bookkeeping"]
     lines = [f"{p8['case']}. Floor: the round's counted sample-passes x {p8['multiply_adds_per_sample']:,} "
@@ -543,7 +594,10 @@ def markdown(result: dict) -> str:
     lines = [f"# Benchmark {result['date']} on {m['host']}", "",
              f"{m['cores']} cores, {m['torch_threads']} torch threads, device {m['device']}, torch {m['torch']}; "
              f"medians of {result['reps']} interleaved repetitions.", "",
-             *p8_markdown(result), "| case | measured | ratio | target | met |", "|---|---|---|---|---|"]
+             *numerics_markdown(result)]
+    if "p8" not in result:
+        return "\n".join(lines)
+    lines += [*p8_markdown(result), "| case | measured | ratio | target | met |", "|---|---|---|---|---|"]
     if "p1" not in result:
         return "\n".join(lines[:-2]) + "\n"
     for r in result["p1"]:
@@ -609,12 +663,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="K=20/100 and N up to 1,000: a smoke run")
     parser.add_argument("--only-p8", action="store_true", help="P8 alone (about 5 minutes)")
+    parser.add_argument("--p8-vectorized", nargs="+", metavar="ALGORITHM", help=argparse.SUPPRESS)  # p8_numerics' child
+    parser.add_argument("--numerics-only", action="store_true", help="P8 under portable vs native numerics alone")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                         help="cuda: the GPU check instead (bench/gpu.py: tests, P1/P3, CPU vs CUDA, traffic, determinism)")
     args = parser.parse_args(argv)
     if args.reps < 5 and not args.quick:
         parser.error("--reps must be at least 5")
     reps = 2 if args.quick else args.reps
+    if args.p8_vectorized:
+        print(json.dumps(p8_vectorized(3, args.p8_vectorized)))
+        return 0
     result = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "machine": machine(), "reps": reps}
     if args.device == "cuda":
         from bench import gpu
@@ -623,6 +682,10 @@ def main(argv: list[str] | None = None) -> int:
     from flows.environment import local_defaults
 
     local_defaults()  # before Prefect and MLflow load
+    print("P8 under portable vs native numerics", flush=True)
+    result["p8_numerics"] = p8_numerics(reps, sorted(ALGORITHMS))
+    if args.numerics_only:
+        return write(result, args.quick)
     print("P8 the standard-protocol round against the floor", flush=True)
     result["p8"] = p8(reps, sorted(ALGORITHMS))
     result["p8_bookkeeping"] = p8_bookkeeping(20 if args.quick else 100, 2 if args.quick else 7)

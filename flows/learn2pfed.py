@@ -55,7 +55,7 @@ from pfl_tasks.config import Learn2pFedConfig, ResolvedExperiment, config_hash, 
 from pfl_tasks.data import FederatedData, load_partition, partition_dir
 from pfl_tasks.data.store import read_manifest
 from pfl_tasks.engine.checkpoint import load_checkpoint, save_checkpoint
-from pfl_tasks.engine.device import configure, torch_threads, usable_cores
+from pfl_tasks.engine.device import configure, platform, torch_threads, usable_cores
 from pfl_tasks.engine.federation import tree_mismatch
 from pfl_tasks.errors import CheckpointError, ConfigError
 from pfl_tasks.code_deps import ROOT, code_hash, numeric_code
@@ -63,7 +63,7 @@ from pfl_tasks.nets import build_net, embed, head_keys, split_net
 from pfl_tasks.outputs import write_client_tables, write_csv
 from pfl_tasks.runs import Run, RunPaths
 from pfl_tasks.engine.evaluate import HIGHER_IS_BETTER
-from pfl_tasks.selection import PRIMARY, Selection, final_metrics, summarize_eval, validation_values
+from pfl_tasks.selection import PRIMARY, Selection, final_metrics, summarize_eval, validation_score
 from pfl_tasks.tracking import flatten, open_store, run_tags, tracking_uri
 from pfl_tasks.training import finished
 from pfl_tasks.tuning import tuned
@@ -183,11 +183,11 @@ def build_problems(exp, params, cfg: Learn2pFedConfig, supervision: str, root: P
     return Problems(train, supervise, select, test, w0, upstream, data.manifest_hash, data.partition)
 
 
-def selection_scores(problems: Problems, v: torch.Tensor) -> tuple[dict[str, float], torch.Tensor]:
-    """The personalized models' `val/personalized/...` aggregates on the selection rows, and each
-    client's primary metric there (what `Selection` is offered)."""
+def selection_scores(problems: Problems, v: torch.Tensor) -> tuple[dict[str, float], tuple[float, float]]:
+    """The personalized models' `val/personalized/...` aggregates on the selection rows, and
+    their `validation_score` (what `Selection` is offered)."""
     metrics = {"val": {"personalized": client_metrics(problems.select, v)}}
-    return summarize_eval(metrics), validation_values(metrics, task_of(problems))
+    return summarize_eval(metrics), validation_score(metrics, task_of(problems))
 
 
 def task_of(problems: Problems) -> str:
@@ -202,8 +202,8 @@ def meta_epochs(cells, opt, cfg, problems: Problems, start: int, stop: int, sele
     for epoch in range(start, stop):
         state = theta(cells)
         loss, fit_loss, v = meta_step(cells, opt, cfg, epoch, problems.train, problems.supervise, problems.w0)
-        scores, values = selection_scores(problems, v)
-        selection.offer(epoch, values, state)
+        scores, score = selection_scores(problems, v)
+        selection.offer(epoch, score, state)
         out.append({"epoch": epoch, "meta/loss": loss, "meta/fit_loss": fit_loss, **scores})
     return out
 
@@ -268,6 +268,7 @@ def learn2pfed_flow(experiment: str, supervision: str, seed: int, params_path: s
                   run_tags(exp, task_kind, problems.partition, run_name, "learn2pfed", "Lv et al., arXiv:2401.08327",
                            data_hash, identity["config_hash"], str(flow_run.id))
                   | {"engine.torch_threads": str(torch.get_num_threads())}
+                  | {f"platform.{key}": value for key, value in platform(exp.engine, torch.device("cpu")).items()}
                   | ({"validation_rows": HELD_OUT_HALF} if supervision == "val" else {}))
         run.log(history)
 

@@ -4,12 +4,14 @@ Prefect flow, its round steps as tasks (`engine.round_tasks`), and its task runn
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from prefect import flow, task, unmapped
 from prefect.cache_policies import NO_CACHE
 from prefect.task_runners import ThreadPoolTaskRunner
 
+from pfl_tasks import numerics
 from pfl_tasks.algorithms import validate_params
 from pfl_tasks.config import EngineConfig, load_params
 from pfl_tasks.engine.checkpoint import save_checkpoint
@@ -200,6 +202,8 @@ def task_runner(engine: EngineConfig):
     except ImportError:
         raise ConfigError("engine.task_runner is 'ray' but prefect-ray is not installed: "
                           "pip install -r requirements-ray.txt -c requirements.lock") from None
-    if not ray.is_initialized():
-        ray.init(address=engine.ray_address, include_dashboard=False, namespace="prefect")
+    if not ray.is_initialized():  # a cluster's workers take this process's numerics before their torch loads
+        pinned = {k: os.environ[k] for k in numerics.PORTABLE if k in os.environ}
+        ray.init(address=engine.ray_address, include_dashboard=False, namespace="prefect",
+                 runtime_env={"env_vars": pinned})
     return RayTaskRunner()

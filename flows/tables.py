@@ -24,6 +24,7 @@ import tempfile
 from pathlib import Path
 
 from flows.environment import local_defaults
+from flows.precheck import pin_numerics_first
 
 
 def arguments() -> argparse.ArgumentParser:
@@ -34,7 +35,7 @@ def arguments() -> argparse.ArgumentParser:
 
 if __name__ == "__main__":  # --help and a command-line error answer before Prefect and MLflow load, which read their settings then
     local_defaults()
-    arguments().parse_args()
+    pin_numerics_first("tables", arguments().parse_args().params)  # numpy's code paths too
 
 from flows.stage import stage_main
 from pfl_tasks.config import Params, TableConfig, VerdictConfig, load_params

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from pfl_tasks.engine.evaluate import NOISE_ONLY
 from pfl_tasks.files import atomic_write_text
 from pfl_tasks.selection import PRIMARY
 
@@ -34,7 +35,8 @@ def per_client_rows(metrics: dict[str, dict[str, dict[str, torch.Tensor]]]) -> l
         for split, models in metrics.items():
             row[f"n_{split}"] = int(models["personalized"]["n"][k])
             for kind, values_of in models.items():
-                row.update({f"{split}_{kind}_{m}": float(v[k]) for m, v in values_of.items() if m != "n"})
+                row.update({f"{split}_{kind}_{m}": float(v[k]) for m, v in values_of.items()
+                            if m != "n" and m not in NOISE_ONLY})
         rows.append(row)
     return rows
 

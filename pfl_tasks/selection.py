@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from pfl_tasks.config import PlateauRule
-from pfl_tasks.engine.evaluate import HIGHER_IS_BETTER, summarize
+from pfl_tasks.engine.evaluate import HIGHER_IS_BETTER, NOISE_ONLY, summarize
 
 PRIMARY = {"classification": "acc", "regression": "mse"}
 
@@ -24,7 +24,7 @@ def summarize_eval(metrics: dict[str, dict[str, dict[str, torch.Tensor]]]) -> di
         for kind, values_of in models.items():
             weights = values_of["n"]
             for metric, values in values_of.items():
-                if metric == "n":
+                if metric == "n" or metric in NOISE_ONLY:
                     continue
                 for stat, value in summarize(values, weights, HIGHER_IS_BETTER[metric]).items():
                     flat[f"{split}/{kind}/{metric}_{stat}"] = value
@@ -44,40 +44,50 @@ def tracked_series(record: dict) -> dict:
 
 SELECTION_RULE = (
     "the latest evaluation whose mean validation metric over clients is within one standard error of the "
-    "best evaluation's (the standard error of the clients' paired differences): a later evaluation stands "
-    "unless an earlier one is better beyond the validation noise")
+    "best evaluation's, the standard error of their difference from the sampling noise of the clients' "
+    "validation rows: a later evaluation stands unless an earlier one is better beyond that noise")
 
 
-def within_noise(best: torch.Tensor, other: torch.Tensor, higher_is_better: bool) -> bool:
-    """Whether `other`'s per-client values fall short of `best`'s by at most one standard error:
-    the mean of the clients' paired shortfalls against their standard error (none with one client)."""
-    shortfall = (best.double() - other.double()) * (1 if higher_is_better else -1)
-    noise = shortfall.std().item() / math.sqrt(len(shortfall)) if len(shortfall) > 1 else 0.0
-    return shortfall.mean().item() <= noise
+def validation_score(metrics: dict[str, dict[str, dict[str, torch.Tensor]]], task: str) -> tuple[float, float] | None:
+    """(the personalized mean over clients of the task's primary validation metric, its standard
+    error from each client's validation rows: a row's accuracy is a Bernoulli draw, a row's squared
+    error spreads as `mse_sq` says), or None without a validation split."""
+    if "val" not in metrics:
+        return None
+    val = metrics["val"]["personalized"]
+    n, value = val["n"].double(), val[PRIMARY[task]].double()
+    spread = value * (1 - value) if task == "classification" else val["mse_sq"].double() - value**2
+    return value.mean().item(), math.sqrt((spread.clamp(min=0) / n.clamp(min=1)).sum().item()) / len(value)
+
+
+def within_noise(best: tuple[float, float], other: tuple[float, float], higher_is_better: bool) -> bool:
+    """Whether `other` (mean, standard error) falls short of `best` by at most the standard error
+    of their difference (as if independent: the same rows make it smaller, so this errs late)."""
+    shortfall = (best[0] - other[0]) * (1 if higher_is_better else -1)
+    return shortfall <= math.hypot(best[1], other[1])
 
 
 @dataclass
 class Selection:
     """The evaluation (a round, a meta-epoch) selected on validation by `SELECTION_RULE`, offered
-    one after another with each client's validation metric: the best mean is tracked, and an
-    evaluation within noise of it is selected over the earlier ones, so the rule needs no look
-    back (the selection after n offers is the one before or the n-th). `state`: what the caller
-    keeps of the selected evaluation. Without validation values, the latest is selected."""
+    one after another with its `validation_score`: the best mean is tracked, and an evaluation
+    within noise of it is selected over the earlier ones, so the rule needs no look back (the
+    selection after n offers is the one before or the n-th). `state`: what the caller keeps of
+    the selected evaluation. Without a validation score, the latest is selected."""
 
     higher_is_better: bool
     index: int = -1
     best_index: int = -1
-    best: torch.Tensor | None = None  # the best evaluation's per-client values
+    best: tuple[float, float] | None = None  # the best evaluation's (mean, standard error)
     state: object = None
 
-    def offer(self, index: int, values: torch.Tensor | None, state: object = None) -> bool:
-        """Whether evaluation `index`, with per-client validation `values`, is now the selected one."""
-        if values is not None:
-            values = values.double()
+    def offer(self, index: int, score: tuple[float, float] | None, state: object = None) -> bool:
+        """Whether evaluation `index`, with validation `score`, is now the selected one."""
+        if score is not None:
             sign = 1 if self.higher_is_better else -1
-            if self.best is None or sign * values.mean() > sign * self.best.mean():
-                self.best, self.best_index = values, index
-            elif not within_noise(self.best, values, self.higher_is_better):
+            if self.best is None or sign * score[0] > sign * self.best[0]:
+                self.best, self.best_index = tuple(score), index
+            elif not within_noise(self.best, score, self.higher_is_better):
                 return False
         self.index, self.state = index, state
         return True
@@ -85,11 +95,6 @@ class Selection:
     def as_dict(self) -> dict:
         return {"higher_is_better": self.higher_is_better, "index": self.index, "best_index": self.best_index,
                 "best": self.best, "state": self.state}
-
-
-def validation_values(metrics: dict[str, dict[str, dict[str, torch.Tensor]]], task: str) -> torch.Tensor | None:
-    """Each client's personalized validation value of the task's primary metric, if it has a validation split."""
-    return metrics["val"]["personalized"][PRIMARY[task]] if "val" in metrics else None
 
 
 def final_metrics(history: list[dict], selected: int) -> dict[str, float]:

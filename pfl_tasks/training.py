@@ -27,7 +27,7 @@ from pfl_tasks.code_deps import code_hash, numeric_code
 from pfl_tasks.outputs import dvc_curve, evaluation_line, learning_curve_png, pinned_run, write_client_tables
 from pfl_tasks.runs import Run, RunPaths, checkpoint_problem, resume_point
 from pfl_tasks.selection import (
-    PRIMARY, Selection, final_metrics, personalized_is_global, summarize_eval, validation_values,
+    PRIMARY, Selection, final_metrics, personalized_is_global, summarize_eval, validation_score,
 )
 from pfl_tasks.tracking import flatten, run_tags
 
@@ -191,7 +191,7 @@ def train_run(
                                 "compute/eval_grad_samples": evaluation.grad_samples,
                                 "rounds/skipped": skipped, **fed.algorithm.round_metrics(state.server)})
                 tables["last"] = evaluation.metrics
-                if selection.offer(len(history) - 1, validation_values(evaluation.metrics, data.task)):
+                if selection.offer(len(history) - 1, validation_score(evaluation.metrics, data.task)):
                     tables["selected"] = evaluation.metrics
             return None
 

@@ -404,20 +404,24 @@ def test_apfl_with_a_decaying_step_size_per_client_equals_the_reference(digits6)
     assert vec.clients["alpha"].std() > 0  # each client its own alpha
 
 
-@pytest.mark.parametrize("cores,workers,threads,expected", [(2, 2, "auto", 1), (2, 1, "auto", 1), (16, 2, "auto", 7),
-                                                            (16, 1, "auto", 15), (2, 2, 3, 3)])
-def test_torch_threads_never_outnumber_the_cores_unless_asked(monkeypatch, cores, workers, threads, expected):
-    """auto: the cores less one (the Prefect server's), shared by the chunk workers; a
-    configured count is taken as it is; `configure` sets it for the process."""
+@pytest.mark.parametrize("numerics,cores,workers,threads,expected", [
+    ("native", 2, 2, "auto", 1), ("native", 2, 1, "auto", 1), ("native", 16, 2, "auto", 7),
+    ("native", 16, 1, "auto", 15), ("native", 2, 2, 3, 3), ("portable", 16, 1, "auto", 1), ("portable", 2, 2, 3, 3)])
+def test_torch_threads_never_outnumber_the_cores_unless_asked(monkeypatch, numerics, cores, workers, threads, expected):
+    """auto: one under portable numerics (a reduction's order follows the thread count), else the
+    cores less one (the Prefect server's), shared by the chunk workers; a configured count is
+    taken as it is; `configure` sets it for the process."""
     from pfl_tasks.config import EngineConfig
     from pfl_tasks.engine import device
 
     monkeypatch.setattr(device, "usable_cores", lambda: cores)
-    engine = EngineConfig(max_workers=workers, threads=threads)
+    monkeypatch.setattr(device.numerics, "active", lambda: numerics)
+    engine = EngineConfig(max_workers=workers, threads=threads, numerics=numerics)
     assert device.torch_threads(engine) == expected
-    before = torch.get_num_threads()
+    before, onednn = torch.get_num_threads(), torch.backends.mkldnn.enabled
     try:
         device.configure(engine, torch.device("cpu"))
         assert torch.get_num_threads() == expected
     finally:
         torch.set_num_threads(before)
+        torch.backends.mkldnn.enabled = onednn

@@ -5,7 +5,7 @@ from conftest import split_from
 from pfl_tasks.engine.evaluate import evaluate_clients, summarize
 from pfl_tasks.config import PlateauRule
 from pfl_tasks.selection import (
-    SPREAD, Selection, final_metrics, plateau, summarize_eval, tracked_series, within_noise,
+    SPREAD, Selection, final_metrics, plateau, summarize_eval, tracked_series, validation_score, within_noise,
 )
 from torch import nn
 
@@ -97,41 +97,42 @@ def test_final_and_selected_metrics_come_from_the_last_and_the_selected_evaluati
     assert final["final/test/personalized/acc_mean"] == 0.9 and final["selected/test/personalized/acc_mean"] == 0.6
 
 
-def selected(values: list[list[float]], higher_is_better: bool = True) -> int:
+def selected(scores: list[tuple[float, float]], higher_is_better: bool = True) -> int:
     selection = Selection(higher_is_better)
-    for i, v in enumerate(values):
-        selection.offer(i, torch.tensor(v))
+    for i, score in enumerate(scores):
+        selection.offer(i, score)
     return selection.index
 
 
+def mirrored(scores):
+    return [(-mean, se) for mean, se in scores]
+
+
 def test_a_later_evaluation_within_the_validation_noise_of_the_best_is_selected_over_it():
-    """Round 2 falls short of round 1's best mean by 0.01, but its clients' paired shortfalls
-    (+0.05, -0.03, +0.04, -0.02) average less than their standard error: noise, so the later
-    round stands, where the argmax would take round 1. MSE mirrors it."""
-    rounds = [[0.70, 0.70, 0.70, 0.70], [0.80, 0.82, 0.78, 0.80], [0.75, 0.85, 0.74, 0.82]]
+    """Round 2 falls short of round 1's best mean by 0.01, less than the standard error of their
+    difference (0.028): noise, so the later round stands, where the argmax takes round 1. MSE
+    mirrors it."""
+    rounds = [(0.70, 0.01), (0.80, 0.02), (0.79, 0.02)]
     assert selected(rounds) == 2
-    assert selected([[-v for v in r] for r in rounds], higher_is_better=False) == 2
-    assert max(range(3), key=lambda i: sum(rounds[i])) == 1
+    assert selected(mirrored(rounds), higher_is_better=False) == 2
 
 
 def test_an_earlier_evaluation_better_beyond_the_noise_is_kept():
-    """Every client lost 0.01 to 0.03 after round 1: a shortfall of three standard errors."""
-    rounds = [[0.70, 0.70, 0.70, 0.70], [0.80, 0.82, 0.78, 0.80], [0.79, 0.80, 0.75, 0.78]]
+    """A shortfall of 0.02 against a standard error of 0.007: round 1 is better, round 2 is not
+    selected; without noise (0 standard errors) the rule is the argmax."""
+    rounds = [(0.70, 0.005), (0.80, 0.005), (0.78, 0.005)]
     assert selected(rounds) == 1
-    assert selected([[-v for v in r] for r in rounds], higher_is_better=False) == 1
-    assert selected([[0.5], [0.6], [0.59]]) == 1  # one client: no noise estimate, the argmax
+    assert selected(mirrored(rounds), higher_is_better=False) == 1
+    assert selected([(0.5, 0.0), (0.6, 0.0), (0.5999, 0.0)]) == 1
 
 
 def test_noisy_validation_that_makes_the_argmax_pick_the_untrained_start_does_not_fool_the_rule():
-    """A meta-training whose true error falls steadily by less than its validation noise (9
-    clients, noise 0.05 a client): the argmax over noisy means picks epoch 0, the untrained
-    start; the rule selects a trained epoch, one within noise of that maximum."""
-    gen = torch.Generator().manual_seed(98)  # one of the seeds where the argmax picks epoch 0
-    truth = [0.5 - 0.002 * epoch for epoch in range(11)]  # MSE
-    values = [[t + 0.05 * float(torch.randn(1, generator=gen)) for _ in range(9)] for t in truth]
-    means = [sum(v) / 9 for v in values]
-    assert means.index(min(means)) == 0  # the argmax's pick
-    assert selected(values, higher_is_better=False) > 0
+    """A meta-training whose validation MSE moves by less than its noise (0.01): the argmax
+    picks epoch 0, the untrained start, on a difference of 0.001; the rule keeps the trained
+    Theta of the last epoch."""
+    epochs = [(0.500, 0.01), (0.505, 0.01), (0.503, 0.01), (0.502, 0.01), (0.501, 0.01)]
+    assert min(range(5), key=lambda i: epochs[i][0]) == 0  # the argmax's pick
+    assert selected(epochs, higher_is_better=False) == 4
 
 
 def test_the_selection_offered_one_at_a_time_is_the_latest_evaluation_within_noise_of_the_best():
@@ -139,15 +140,34 @@ def test_the_selection_offered_one_at_a_time_is_the_latest_evaluation_within_noi
     applied to all evaluations so far (random curves, both directions)."""
     gen = torch.Generator().manual_seed(0)
     for trial in range(200):
-        higher = trial % 2 == 0
-        curve = (torch.rand(12, 5, generator=gen) * 0.1 + torch.linspace(0, 0.05, 12)[:, None]).tolist()
+        higher, sign = trial % 2 == 0, 1 if trial % 2 == 0 else -1
+        curve = [(float(m), float(se)) for m, se in zip(torch.rand(12, generator=gen) * 0.1 + torch.linspace(0, 0.05, 12),
+                                                        torch.rand(12, generator=gen) * 0.02)]
         selection = Selection(higher)
-        for n, values in enumerate(curve, 1):
-            selection.offer(n - 1, torch.tensor(values))
-            sign = 1 if higher else -1
-            best = max(range(n), key=lambda i: (sign * sum(curve[i]), -i))
-            latest = max(i for i in range(n) if within_noise(torch.tensor(curve[best]), torch.tensor(curve[i]), higher))
-            assert selection.index == latest
+        for n, score in enumerate(curve, 1):
+            selection.offer(n - 1, score)
+            best = max(range(n), key=lambda i: (sign * curve[i][0], -i))
+            assert selection.best_index == best
+            assert selection.index == max(i for i in range(n) if within_noise(curve[best], curve[i], higher))
+
+
+def test_the_validation_noise_is_the_sampling_noise_of_the_clients_rows():
+    """Accuracy: each row a Bernoulli draw, var p(1 - p); MSE: the spread of the rows' squared
+    errors, which `evaluate_clients` returns as mse_sq. The standard error of the client mean is
+    sqrt(sum of var_c / n_c) / clients, checked against the rows by hand."""
+    acc = {"val": {"personalized": {"n": torch.tensor([4.0, 10.0]), "acc": torch.tensor([0.75, 0.5])}}}
+    mean, se = validation_score(acc, "classification")
+    assert mean == pytest.approx(0.625) and se == pytest.approx((0.75 * 0.25 / 4 + 0.25 / 10) ** 0.5 / 2)
+    gen = torch.Generator().manual_seed(0)
+    xs, ys = [torch.randn(n, 3, generator=gen) for n in (5, 9)], [torch.randn(n, generator=gen) for n in (5, 9)]
+    net = nn.Linear(3, 1)
+    params = {k: v.detach() for k, v in net.named_parameters()}
+    metrics = evaluate_clients(net, "regression", split_from(xs, ys), torch.arange(2), params, stacked=False)
+    mean, se = validation_score({"val": {"personalized": metrics}}, "regression")
+    errors = [((net(x).squeeze(-1) - y) ** 2).detach().double() for x, y in zip(xs, ys)]
+    assert mean == pytest.approx(sum(e.mean().item() for e in errors) / 2, rel=1e-5)
+    assert se == pytest.approx(sum(e.var(unbiased=False).item() / len(e) for e in errors) ** 0.5 / 2, rel=1e-4)
+    assert validation_score({"test": {}}, "regression") is None
 
 
 def curve(values):

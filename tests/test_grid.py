@@ -182,7 +182,7 @@ def test_a_grid_runs_under_one_mlflow_parent_run_with_one_table(project, prefect
     assert parents[0].data.params == {"grid.algorithms.ditto_v0.5.mu": "[0.1, 1]"}
     report = (project / "sweeps" / "mu" / "reports" / "compare" / "tiny-mu.md").read_text()
     assert all(f"| {name}" in report for name in ("ditto_v0.5_mu0.1", "ditto_v0.5_mu1", "fedavg"))
-    assert re.search(rf"\| {re.escape(parents[0].data.tags['winner'])}[≈†]*✓ \|", report)  # the choice, marked
+    assert re.search(rf"\| {re.escape(parents[0].data.tags['winner'])}[≈†]*✓⚑? \|", report)  # the choice, marked
 
 
 def test_a_sweep_keeps_only_its_runs_own_overrides_and_a_variant_its_runs():

@@ -73,6 +73,11 @@ class Problem:
         losses = self._losses(v)
         return (losses * self.mask).sum(1) / self.mask.sum(1)
 
+    def per_client_loss_square(self, v: torch.Tensor) -> torch.Tensor:
+        """Mean squared loss of each client's rows, [M]: their spread about `per_client_loss`."""
+        losses = self._losses(v)
+        return (losses * losses * self.mask).sum(1) / self.mask.sum(1)
+
     def accuracy(self, v: torch.Tensor) -> torch.Tensor:
         correct = (self._logits(v).argmax(1) == self.y).to(self.mask.dtype)
         return (correct * self.mask).sum(1) / self.mask.sum(1)

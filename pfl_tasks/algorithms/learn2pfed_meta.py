@@ -80,7 +80,7 @@ def client_metrics(problem: Problem, v: torch.Tensor) -> dict[str, torch.Tensor]
         if problem.n_classes:
             metrics.update(loss=loss, acc=problem.accuracy(v).float())
         else:
-            metrics["mse"] = loss
+            metrics.update(mse=loss, mse_sq=problem.per_client_loss_square(v).float())
     return metrics
 
 

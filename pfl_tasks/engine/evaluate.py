@@ -24,8 +24,9 @@ def evaluate_clients(
     variants: int = 0,
 ) -> dict[str, torch.Tensor]:
     """Per-client test metrics for `client_ids`, as tensors [K]: n, and loss and accuracy
-    (classification) or mse (regression). `params` is a stack [K, ...] or one shared model;
-    `forward(net, params, x)` gives one client's outputs (default: the net itself). `test`
+    (classification) or mse and mse_sq, the mean of the rows' squared errors squared, whose
+    spread about mse is the rows' (regression; `NOISE_ONLY`). `params` is a stack [K, ...] or
+    one shared model; `forward(net, params, x)` gives one client's outputs (default: the net itself). `test`
     holds its samples on the device, its offsets and counts (and `client_ids`) on the host.
     With `variants` V, `forward` gives V outputs of each row, [V, rows, ...] (V candidates of a
     client's model scored in one pass), and loss, accuracy or mse are [V, K]."""
@@ -34,13 +35,14 @@ def evaluate_clients(
     k, host_counts = len(client_ids), test.counts[client_ids]
     offsets, counts = to_device({"o": test.offsets[client_ids], "n": host_counts}, device).values()
     loss_sum = torch.zeros(max(variants, 1), k, device=device)
+    square_sum = torch.zeros(max(variants, 1), k, device=device)
     correct = torch.zeros(max(variants, 1), k, device=device)
 
     def client_outputs(p, x):
         return forward(net, p, x) if forward else functional_call(net, p, (x,))
 
     def add(owner: torch.Tensor, outs: list[torch.Tensor], y: torch.Tensor, valid: torch.Tensor | None = None) -> None:
-        for out, loss_of, correct_of in zip(outs, loss_sum, correct):  # a variant's rows at a time
+        for out, loss_of, square_of, correct_of in zip(outs, loss_sum, square_sum, correct):  # a variant's rows at a time
             losses = per_sample_loss(task, out, y)
             hits = out.argmax(-1) == y if task == "classification" else None
             if valid is not None:  # padding's infinite loss would be NaN times 0
@@ -48,6 +50,8 @@ def evaluate_clients(
             loss_of.index_add_(0, owner, losses)
             if hits is not None:
                 correct_of.index_add_(0, owner, hits.to(correct.dtype))
+            else:
+                square_of.index_add_(0, owner, losses * losses)
 
     if not stacked:  # one model: every client's rows, unpadded, SAMPLE_BLOCK x K at a time
         owner = torch.repeat_interleave(torch.arange(k), host_counts)
@@ -71,13 +75,16 @@ def evaluate_clients(
             add(owner.expand(k, width).flatten(), outs, take(test.y, rows).flatten(), valid.flatten())
     n = counts.to(loss_sum.dtype)
     if not variants:
-        loss_sum, correct = loss_sum[0], correct[0]
+        loss_sum, square_sum, correct = loss_sum[0], square_sum[0], correct[0]
     if task == "classification":
         return to_host({"n": n, "loss": loss_sum / n, "acc": correct / n})
-    return to_host({"n": n, "mse": loss_sum / n})
+    return to_host({"n": n, "mse": loss_sum / n, "mse_sq": square_sum / n})
 
 
 HIGHER_IS_BETTER = {"acc": True, "loss": False, "mse": False}
+# per-client values that only say how noisy another metric is (`pfl_tasks.selection`): summarized
+# and tabled nowhere
+NOISE_ONLY = ("mse_sq",)
 
 
 def summarize(values: torch.Tensor, weights: torch.Tensor, higher_is_better: bool) -> dict[str, float]:
