@@ -41,6 +41,7 @@ from pfl_tasks.runs import RunPaths
 from pfl_tasks.selection import SELECTION_RULE
 
 RESULTS = Path(__file__).parent / "results"
+RESTRICTIONS = ("MKL_ENABLE_INSTRUCTIONS", "ATEN_CPU_CAPABILITY")  # an older CPU's code paths, if set for the run
 
 
 def train(mode: str, root: Path, experiments: list[str]) -> None:
@@ -91,8 +92,10 @@ def summary(runs: dict[str, dict[str, dict]], experiment: str) -> dict:
     out = {"experiment": experiment, "runs": len(portable)}
     for rule in ("rule", "argmax"):
         regret = [sign * (r["test_best"]["test"] - r[rule]["test"]) for r in portable.values()]
+        relative = [g / abs(r["test_best"]["test"]) for g, r in zip(regret, portable.values())]
         moves = [abs(portable[k][rule]["test"] - native[k][rule]["test"]) for k in portable]
         out[rule] = {"regret_mean": statistics.fmean(regret), "regret_max": max(regret),
+                     "relative_regret_mean": statistics.fmean(relative), "relative_regret_max": max(relative),
                      "move_mean": statistics.fmean(moves), "move_max": max(moves),
                      "rounds_moved": sum(portable[k][rule]["round"] != native[k][rule]["round"] for k in portable)}
     return out
@@ -103,14 +106,17 @@ def markdown(result: dict) -> str:
              "Regret: test at the test-best evaluation minus test at the selected one (MSE: the other way), "
              "per run, under portable numerics; a diagnostic, not a target. Move: the selected test metric's "
              "change between portable and native numerics (same tuning, data and code).", "",
-             "| experiment | runs | selection | regret mean | regret max | move mean | move max | selected round moved |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| experiment | runs | selection | regret mean | regret max | relative regret mean | relative regret max "
+             "| move mean | move max | selected round moved |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for s in result["summary"]:
         for rule in ("rule", "argmax"):
             r = s[rule]
             lines.append(f"| {s['experiment']} | {s['runs']} | {rule} | {r['regret_mean']:.4g} | {r['regret_max']:.4g} "
+                         f"| {r['relative_regret_mean']:.2%} | {r['relative_regret_max']:.2%} "
                          f"| {r['move_mean']:.4g} | {r['move_max']:.4g} | {r['rounds_moved']} of {s['runs']} |")
-    lines += ["", f"Command: `python -m bench.selection --experiments {' '.join(result['experiments'])}`", ""]
+    lines += ["", f"Command: `python -m bench.selection --experiments {' '.join(result['experiments'])}`"
+              + (f" with {result['environment']} set" if result.get("environment") else ""), ""]
     return "\n".join(lines)
 
 
@@ -123,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     for mode in NUMERICS:
         train(mode, work / mode, args.experiments)
     result = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "experiments": args.experiments,
+              "environment": " ".join(f"{k}={os.environ[k]}" for k in RESTRICTIONS if k in os.environ),
               "runs": {e: {mode: selections(work / mode, e) for mode in NUMERICS} for e in args.experiments}}
     result["summary"] = [summary(result["runs"][e], e) for e in args.experiments]
     stem = RESULTS / f"{datetime.date.today()}-selection"

@@ -37,8 +37,7 @@ PR_SET_PDEATHSIG = 1
 STORAGE_FULL = (errno.ENOSPC, errno.EDQUOT)  # a disk or quota full: one line, as an expected error
 OUR_SERVER = "PFL_PREFECT_SERVER"  # the URL of a server a stage or `make run` started, for its child processes
 _APIS: set[str] = set()  # the Prefect APIs this process's flows reported to
-_DEAD: set[str] = set()  # those of them found dead
-# the loggers that report, record by record, what a dead Prefect server did not take
+# the loggers of Prefect's background services, which report, record by record, what its API did not take
 DEAD_SERVER_NOISE = ("prefect.events.clients", "prefect._internal.concurrency")
 DRAIN_SECONDS = 5.0  # the longest a stage waits at its end for its Prefect server to take the last logs and events
 
@@ -180,20 +179,6 @@ def expected(err: BaseException) -> bool:
     return isinstance(err, EXPECTED) or isinstance(err, OSError) and err.errno in STORAGE_FULL
 
 
-def dead_apis() -> list[str]:
-    """The Prefect APIs of this process that no longer answer their health check (once dead,
-    always dead: a server of ours is not restarted)."""
-    for url in _APIS - _DEAD:
-        try:
-            with urllib.request.urlopen(f"{url.rstrip('/')}/health", timeout=1):
-                pass
-        except urllib.error.HTTPError:
-            pass
-        except OSError:
-            _DEAD.add(url)
-    return sorted(_DEAD)
-
-
 def prefect_unreachable(err: BaseException) -> str | None:
     """The Prefect API URL that `err` (or its cause) failed to reach, None for any other error."""
     import httpx
@@ -214,14 +199,17 @@ def _stop(signum, frame) -> None:
 class QuietExpectedErrors(logging.Filter):
     """Keeps off the console Prefect's report of a flow or task run that failed on an expected
     error (its traceback, then the run's "Finished in state Failed"): `stage_main` says it in
-    one line. The Prefect API still records it; any other error keeps its traceback."""
+    one line. The Prefect API still records it; any other error keeps its traceback. Prefect's
+    background services' reports of events the API did not take (`DEAD_SERVER_NOISE`) stay off
+    it too: they say nothing of the stage's results, and a dying server's came before the health
+    check could tell it was dead (a loaded machine), after the stage's last line."""
 
     def __init__(self):
         super().__init__()
         self.failed_runs: set[str] = set()
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.name in DEAD_SERVER_NOISE and dead_apis():  # `stage_main` says it, once
+        if record.name in DEAD_SERVER_NOISE:  # `stage_main` says it once, when the server died
             return False
         run = getattr(record, "task_run_id", None) or getattr(record, "flow_run_id", None)
         if record.exc_info and (expected(record.exc_info[1]) or prefect_unreachable(record.exc_info[1])):
@@ -275,6 +263,7 @@ def stage_main(name: str, work: Callable[[], object]) -> int:
     signal N (SIGTERM and SIGHUP stop it cleanly, as SIGINT does); 1 anything else (traceback,
     then one line)."""
     previous = {sig: signal.signal(sig, _stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    set_background_noise(disabled=False)
     try:
         with quiet_expected_errors(), params_snapshot():  # every flow run of the stage runs one version
             work()
@@ -301,4 +290,11 @@ def stage_main(name: str, work: Callable[[], object]) -> int:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        set_background_noise(disabled=True)  # their drain at exit would follow the stage's last line
     return 0
+
+
+def set_background_noise(disabled: bool) -> None:
+    """Prefect's background services' loggers (`DEAD_SERVER_NOISE`) off or on, for the process."""
+    for logger_name in DEAD_SERVER_NOISE:
+        logging.getLogger(logger_name).disabled = disabled

@@ -349,7 +349,7 @@ REFERENCE = "fedavg"  # the baseline whose global model every verdict is read ag
 @dataclass(frozen=True)
 class Verdict:
     """A method's verdict by one statistic: its side of FedAvg's global model by a paired test
-    ('above' or 'below' where the Holm-adjusted p-value is below alpha, else 'level'; '' without
+    ('better' or 'worse' where the Holm-adjusted p-value is below alpha, else 'level'; '' without
     a FedAvg row), that test's p-value and the point estimate's gap, and whether it is in the top
     group (not significantly different from the best)."""
 
@@ -359,9 +359,10 @@ class Verdict:
     top: bool
 
     def said(self) -> str:
-        difference = "significantly" if self.side in ("above", "below") else "not significantly"
-        where = {"above": "above", "below": "below"}.get(self.side, "different from")
-        return f"{difference} {where} FedAvg ({self.gap:+.4f}, p = {self.p:.3g})"
+        relation = {"better": "significantly better than", "worse": "significantly worse than"}.get(
+            self.side, "not significantly different from")
+        p = "p < 0.001" if self.p < 0.001 else f"p = {self.p:.3g}"  # a bootstrap's 2,000 draws resolve no less
+        return f"{relation} FedAvg ({self.gap:+.4f}, {p})"
 
 
 def verdicts(results: list[MethodResult], weighted: bool) -> dict[str, Verdict]:
@@ -378,14 +379,14 @@ def verdicts(results: list[MethodResult], weighted: bool) -> dict[str, Verdict]:
         side, gap, p = "", None, p_values.get(r.method)
         if p is not None:
             gap = r.score(weighted)[0] - reference.score(weighted)[0]
-            side = "level" if p >= r.rule.alpha else "above" if (gap > 0) == higher else "below"
+            side = "level" if p >= r.rule.alpha else "better" if (gap > 0) == higher else "worse"
         out[r.method] = Verdict(side, p, gap, r is ranked[0] or r.indistinguishable(weighted))
     return out
 
 
 def flips(results: list[MethodResult]) -> dict[str, str]:
     """method -> a sentence, for each method whose verdict differs between the client mean and
-    the sample-weighted statistic by their tests: one calls it significantly above (or below)
+    the sample-weighted statistic by their tests: one calls it significantly better (or worse) than
     FedAvg's global model and the other does not, or says the opposite; or it is in the top group
     by one test and out of it by the other. A point estimate's side alone flags nothing."""
     by_mean, by_weight = verdicts(results, False), verdicts(results, True)
@@ -522,7 +523,7 @@ def markdown(experiment: str, metric: str, results: list[MethodResult], figures:
         "",
         *protocol_lines(rule),
         "⚑: its verdict differs between the client mean and the sample-weighted statistic by their tests: one "
-        "calls it significantly above or below FedAvg's global model (each statistic's paired test, against "
+        "calls it significantly better or worse than FedAvg's global model (each statistic's paired test, against "
         "FedAvg, Holm-adjusted over the methods) and the other does not or says the opposite, or it is in the top group by "
         "one and out of it by the other (the second table, and the sentences under it). A difference of point "
         "estimates alone flags nothing.",

@@ -434,12 +434,12 @@ def test_a_method_whose_tests_disagree_between_the_statistics_is_marked_with_a_s
         clients_result("ditto", [a + 0.1 for a in FEDAVG], SIZES), clients_result("fedavg", FEDAVG, SIZES),
         clients_result("local", [a - 0.2 for a in FEDAVG[:15]] + [a + 0.05 for a in FEDAVG[15:]], SIZES)])
     mean, weighted = verdicts(results, False)["local"], verdicts(results, True)["local"]
-    assert (mean.side, weighted.side) == ("below", "level") and mean.p < 0.05 <= weighted.p
-    assert verdicts(results, False)["ditto"].side == verdicts(results, True)["ditto"].side == "above"
+    assert (mean.side, weighted.side) == ("worse", "level") and mean.p < 0.05 <= weighted.p
+    assert verdicts(results, False)["ditto"].side == verdicts(results, True)["ditto"].side == "better"
     sentence = flips(results)["local"]
-    assert sentence.startswith(f"on the client mean it is significantly below FedAvg (-0.1375, p = {mean.p:.3g}), "
-                               f"sample-weighted not significantly different from FedAvg ({weighted.gap:+.4f}, "
-                               f"p = {weighted.p:.3g})")
+    assert sentence == f"on the client mean it is {mean.said()}, sample-weighted {weighted.said()}"
+    assert mean.said() == "significantly worse than FedAvg (-0.1375, p < 0.001)"
+    assert weighted.said() == f"not significantly different from FedAvg ({weighted.gap:+.4f}, p = {weighted.p:.3g})"
     assert "ditto" not in flips(results)
     text = report_markdown("e", "acc", results, {})
     assert "| 3 | local⚑ |" in text and f"- ⚑ local: {sentence}." in text
