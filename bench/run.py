@@ -10,7 +10,9 @@ by side in this one run: repetitions interleave the setups, and each time is a m
   P4  uneven clients: vectorized vs sequential FedProx round, one epoch of batch 8 per client,
       on FedProx Synthetic(0.5, 0.5) (natural lognormal sizes, linear model) and on digits
       Dirichlet(0.1); and what one vmapped step costs eager and under torch.compile
-  P8  the standard-protocol round (mnist, MLP 784-100-10, 1 epoch of batch 10, all 20 clients,
+  P8  first its vectorized round under portable and under native numerics (`engine.numerics`),
+      each mode in processes of its own, alternating; then the standard-protocol round (mnist,
+      MLP 784-100-10, 1 epoch of batch 10, all 20 clients,
       1 thread, evaluated) of every registered algorithm, vectorized and sequential, against its
       floor (counted sample-passes x FLOPs per pass / this machine's measured matmul rate); and
       the share of a training run's evaluated round that its bookkeeping takes (against the same
@@ -21,9 +23,11 @@ by side in this one run: repetitions interleave the setups, and each time is a m
     make bench                        # = python -m bench.run
     python -m bench.run --quick       # smaller K and reps: a smoke run
     python -m bench.run --only-p8     # P8 alone, about 6 minutes
+    python -m bench.run --numerics-only  # P8's round under portable vs native numerics, about 4 minutes
     python -m bench.run --device cuda # the GPU check (bench/gpu.py), about 5 minutes
 
-Writes bench/results/<date>-<host>.json, .md and .png (-cuda.json and .md for the GPU check)
+Writes bench/results/<date>-<host>.json, .md and .png (-numerics.json and .md for the numerics
+alone, -cuda.json and .md for the GPU check)
 and prints the table. Only P2 and the profile need Prefect and MLflow.
 """
 
@@ -685,7 +689,7 @@ def main(argv: list[str] | None = None) -> int:
     print("P8 under portable vs native numerics", flush=True)
     result["p8_numerics"] = p8_numerics(reps, sorted(ALGORITHMS))
     if args.numerics_only:
-        return write(result, args.quick)
+        return write(result, args.quick, "-numerics")
     print("P8 the standard-protocol round against the floor", flush=True)
     result["p8"] = p8(reps, sorted(ALGORITHMS))
     result["p8_bookkeeping"] = p8_bookkeeping(20 if args.quick else 100, 2 if args.quick else 7)
@@ -707,9 +711,9 @@ def main(argv: list[str] | None = None) -> int:
     return write(result, args.quick)
 
 
-def write(result: dict, quick: bool) -> int:
+def write(result: dict, quick: bool, part: str = "") -> int:
     RESULTS.mkdir(exist_ok=True)
-    stem = RESULTS / f"{datetime.date.today()}-{result['machine']['host']}{'-quick' if quick else ''}"
+    stem = RESULTS / f"{datetime.date.today()}-{result['machine']['host']}{part}{'-quick' if quick else ''}"
     stem.with_suffix(".json").write_text(json.dumps(result, indent=1))
     text = markdown(result)
     stem.with_suffix(".md").write_text(text)
