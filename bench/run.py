@@ -255,17 +255,8 @@ def p8_vectorized(reps: int, algorithms: list[str]) -> dict[str, float]:
     """algorithm -> the median seconds of its vectorized evaluated P8 round, 1 thread, in this
     process's numerics."""
     torch.set_num_threads(1)
-    out = {}
-    for name in algorithms:
-        play, _ = evaluated_round(p8_federation(name, "vectorized"))
-        play()  # warm
-        times = []
-        for _ in range(reps):
-            start = time.perf_counter()
-            play()
-            times.append(time.perf_counter() - start)
-        out[name] = statistics.median(times)
-    return out
+    return {name: interleaved({name: evaluated_round(p8_federation(name, "vectorized"))[0]}, reps)[name]
+            for name in algorithms}
 
 
 def p8_numerics(reps: int, algorithms: list[str]) -> dict:
