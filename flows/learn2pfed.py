@@ -40,6 +40,7 @@ if __name__ == "__main__":  # --help, and a command-line or config error, answer
     first = arguments().parse_args()
     check_params_first("learn2pfed", first.params, first.experiment)
 
+import pandas as pd
 import torch
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
@@ -49,7 +50,7 @@ from pfl_tasks.algorithms import build, source_file, validate_params
 from pfl_tasks.algorithms.learn2pfed import Cells
 from pfl_tasks.algorithms.learn2pfed_meta import (
     HELD_OUT_HALF, client_metrics, costs, evaluate, make_optimizer, meta_step, padded_problem, participation,
-    personalized_models, split_validation, theta,
+    participation_table, personalized_models, split_validation, theta,
 )
 from pfl_tasks.config import Learn2pFedConfig, ResolvedExperiment, config_hash, load_params
 from pfl_tasks.data import FederatedData, load_partition, partition_dir
@@ -61,6 +62,7 @@ from pfl_tasks.errors import CheckpointError, ConfigError
 from pfl_tasks.code_deps import ROOT, code_hash, numeric_code
 from pfl_tasks.nets import build_net, embed, head_keys, split_net
 from pfl_tasks.outputs import write_client_tables, write_csv
+from pfl_tasks.reports import PARTICIPATION_CSV, participation_figure_of, save_figure
 from pfl_tasks.runs import Run, RunPaths
 from pfl_tasks.engine.evaluate import HIGHER_IS_BETTER
 from pfl_tasks.selection import PRIMARY, Selection, final_metrics, summarize_eval, validation_score
@@ -244,8 +246,12 @@ def learn2pfed_flow(experiment: str, supervision: str, seed: int, params_path: s
                 "config": json.dumps(config, sort_keys=True)}
 
     task_kind = task_of(problems)
-    cells = Cells(problems.train, cfg.cells, cfg.tied, cfg.init.model_dump(), torch.Generator().manual_seed(seed),
-                  cfg.lambda_)
+
+    def initial_cells() -> Cells:
+        return Cells(problems.train, cfg.cells, cfg.tied, cfg.init.model_dump(), torch.Generator().manual_seed(seed),
+                     cfg.lambda_)
+
+    cells = initial_cells()
     opt = make_optimizer(cells, cfg.meta)
     metric = PRIMARY[task_kind]
     key = f"val/personalized/{metric}_mean"
@@ -314,10 +320,11 @@ def learn2pfed_flow(experiment: str, supervision: str, seed: int, params_path: s
 
         def artifacts(tmp: Path) -> None:
             write_client_tables(tmp, tables)
-            write_csv(tmp / "participation.csv", [
-                {"cell": c, "client_id": i, **{f"lam_{j}": float(x) for j, x in enumerate(row)}}
-                for c, layer in enumerate(lam) for i, row in enumerate(layer)
-            ])
+            table = participation_table(initial_cells(), selected, problems.train)
+            write_csv(tmp / PARTICIPATION_CSV, table)
+            fig = participation_figure_of({f"{run_name}, seed {seed}": pd.DataFrame(table)},
+                                          f"{exp.name}: Learn2pFed's participation at meta-epoch {selection.index}")
+            save_figure(fig, tmp / "participation.png")
 
         run.finish(final, [{"epoch": h["epoch"], "meta_loss": h["meta/loss"], "fit_loss": h["meta/fit_loss"],
                             "val": h[key]} for h in history], artifacts)

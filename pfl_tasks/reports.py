@@ -217,14 +217,19 @@ class MethodResult:
 
 
 def clients_table(client, run_id: str) -> pd.DataFrame | None:
+    table = run_table(client, run_id, CLIENTS_TABLE)
+    return None if table is None else table.set_index("client_id")
+
+
+def run_table(client, run_id: str, name: str) -> pd.DataFrame | None:
+    """The run's CSV artifact `name`, None where it has none."""
     local = local_artifact_dir(client.tracking_uri, client.get_run(run_id).info.artifact_uri)
     if local is not None:  # read in place (found after the checkout moved, too)
-        table = local / CLIENTS_TABLE
-        return pd.read_csv(table).set_index("client_id") if table.exists() else None
-    if not any(a.path == CLIENTS_TABLE for a in client.list_artifacts(run_id)):
+        return pd.read_csv(local / name) if (local / name).exists() else None
+    if not any(a.path == name for a in client.list_artifacts(run_id)):
         return None
     with tempfile.TemporaryDirectory() as tmp:
-        return pd.read_csv(client.download_artifacts(run_id, CLIENTS_TABLE, tmp)).set_index("client_id")
+        return pd.read_csv(client.download_artifacts(run_id, name, tmp))
 
 
 def test_selected(client, run_ids: list[str], metric: str) -> float | None:
@@ -837,7 +842,55 @@ def clients_figure(client, results: list[MethodResult], metric: str, title: str)
     return fig
 
 
-def _save(fig, path: Path) -> None:
+PARTICIPATION_CSV = "participation.csv"  # a Learn2pFed run's (learn2pfed_meta.participation_table)
+
+
+def draw_participation(axes, table: pd.DataFrame, label: str) -> None:
+    """Two axes: Lambda's diagonal per client and parameter group, and rho per client, initial
+    (hollow, dashed) against learned (filled); geometric means over untied cells."""
+    mean = table.groupby(["client_id", "group"], sort=False)[
+        ["lam_initial", "lam_learned", "rho_initial", "rho_learned"]].agg(lambda x: float(np.exp(np.log(x).mean())))
+    clients = mean.index.get_level_values(0).unique()
+    lam_ax, rho_ax = axes
+    for k, group in enumerate(mean.index.get_level_values(1).unique()):
+        rows = mean.xs(group, level="group")
+        color = f"C{k % 10}"
+        lam_ax.plot(clients, rows["lam_initial"], "o--", color=color, markerfacecolor="white", alpha=0.7)
+        lam_ax.plot(clients, rows["lam_learned"], "o-", color=color, label=group)
+    rho = mean.groupby(level="client_id").first()
+    rho_ax.plot(clients, rho["rho_initial"], "o--", color="gray", markerfacecolor="white", label="initial")
+    rho_ax.plot(clients, rho["rho_learned"], "o-", color="black", label="learned")
+    for ax, what in ((lam_ax, "Lambda's diagonal (large: tied to w)"), (rho_ax, "rho")):
+        ax.set_yscale("log")
+        ax.set_xlabel("client")
+        ax.set_ylabel(f"{label}\n{what}")
+        ax.grid(alpha=0.3)
+    lam_ax.legend(title="learned (hollow: initial)", fontsize="small")
+    rho_ax.legend(fontsize="small")
+
+
+def participation_figure_of(tables: dict[str, pd.DataFrame], title: str):
+    """A row of two panels (`draw_participation`) per labelled participation table."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(len(tables), 2, figsize=(11, 3.6 * len(tables)), layout="constrained", squeeze=False)
+    for row, (label, table) in zip(axes, tables.items()):
+        draw_participation(row, table, label)
+    fig.suptitle(title)
+    return fig
+
+
+def participation_figure(client, results: list[MethodResult], metric: str, title: str):
+    """Learn2pFed's learned participation: each of its methods' first seed."""
+    tables = {}
+    for r in results:
+        if r.method.startswith("learn2pfed-") and r.run_ids:
+            table = run_table(client, r.run_ids[0], PARTICIPATION_CSV)
+            if table is not None:
+                tables[f"{r.method}, seed {r.seeds[0]}"] = table
+    return participation_figure_of(tables, title) if tables else None
+
+
+def save_figure(fig, path: Path) -> None:
     atomic_write(path, lambda fh: fig.savefig(fh, dpi=100, format="png"), binary=True)
     _pyplot().close(fig)
 
@@ -846,6 +899,7 @@ FIGURES = (  # file name, builder, caption
     ("curves", curves_figure, "learning curves"),
     ("compute", compute_figure, "metric against compute"),
     ("clients", clients_figure, "per-client distribution"),
+    ("participation", participation_figure, "Learn2pFed's learned participation"),
 )
 
 
@@ -865,7 +919,7 @@ def write_report(client, experiment: str, report_dir: Path, figure_dir: Path,
         fig = build(client, results, metric, f"{experiment}: {caption}")
         if fig is not None:
             png = figure_dir / f"{experiment}-{name}.png"
-            _save(fig, png)
+            save_figure(fig, png)
             figures[caption] = Path(os.path.relpath(png, report_dir)).as_posix()
     atomic_write_text(report_dir / f"{experiment}.md", markdown(experiment, metric, results, figures, tuning, downstream, rule))
     chosen = winner_on_validation(results)

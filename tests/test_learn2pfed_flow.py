@@ -71,6 +71,13 @@ def test_learn2pfed_head_on_upstream_body_resumes_and_lands_in_the_table(project
                         ["mlflow_run"][0])
     assert run.data.tags["validation_rows"] == HELD_OUT_HALF  # the reports keep it out of ✓
     assert run.data.tags["engine.torch_threads"] == str(torch.get_num_threads())
+    # what Theta became, per client and parameter group, beside its initial value: a table and its figure
+    from pfl_tasks.reports import PARTICIPATION_CSV, run_table
+
+    assert {"participation.png", PARTICIPATION_CSV} <= {a.path for a in store.list_artifacts(run.info.run_id)}
+    participation = run_table(store, run.info.run_id, PARTICIPATION_CSV)
+    assert set(participation.group) == {"weights", "bias"}
+    assert (participation.lam_learned != participation.lam_initial).any()
     # its validation curve in MLflow runs to the last Theta (meta-epoch 12): the reports judge its plateau on it
     from pfl_tasks.config import VerdictConfig
     from pfl_tasks.reports import plateaued

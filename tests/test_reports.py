@@ -339,6 +339,7 @@ def test_figures_fit_their_text_band_the_seeds_and_draw_a_shared_global_curve_on
     client = MlflowClient(mlflow_uri())
     results = summarize(client, collect(client, experiment), "acc")
     figures = {name: build(client, results, "acc", f"{experiment}: {caption}") for name, build, caption in FIGURES}
+    assert figures.pop("participation") is None  # no Learn2pFed run here (test_participation_figure_...)
 
     for name, fig in figures.items():
         boxes = [(t.get_text(), t.get_window_extent()) for t in drawn_texts(fig)]
@@ -560,3 +561,35 @@ def test_a_method_scored_on_other_validation_rows_is_not_the_choice_on_validatio
     text = report_markdown("e", "acc", results, {})
     assert "| 2 | learn2pfed-train✓ |" in text
     assert f"learn2pfed-val's validation number is on {HELD_OUT_HALF}" in text
+
+
+def test_participation_figure_shows_each_group_initial_and_learned_and_fits_its_text():
+    """Learn2pFed's participation figure: per client, Lambda's diagonal per parameter group and
+    rho, the initial Theta's and the learned one's, its texts inside the figure and apart."""
+    import pandas as pd
+    import torch
+
+    from pfl_tasks.algorithms.learn2pfed import Cells, Problem
+    from pfl_tasks.algorithms.learn2pfed_meta import participation_table
+    from pfl_tasks.reports import participation_figure_of
+
+    problem = Problem(torch.ones(3, 4, 5, dtype=torch.float64), torch.zeros(3, 4, dtype=torch.long),
+                      torch.ones(3, 4, dtype=torch.float64), n_classes=2)
+    init = dict(rho=0.01, eta=0.01, gamma=0.01, theta=0.01, lam=0.001)
+    initial, learned = (Cells(problem, 2, True, init, torch.Generator().manual_seed(0)) for _ in range(2))
+    with torch.no_grad():
+        learned.raw["rho"] += 1.0
+        learned.raw["lam"][..., 5::6] += 2.0  # the biases of a [2 classes, 5 + 1] head
+    table = pd.DataFrame(participation_table(initial, learned, problem))
+    assert sorted(table.group.unique()) == ["bias", "weights"] and len(table) == 3 * 2
+    bias, weights = (table[table.group == g] for g in ("bias", "weights"))
+    assert np.allclose(bias.lam_learned / bias.lam_initial, np.exp(2.0), rtol=1e-2)
+    assert np.allclose(weights.lam_learned, weights.lam_initial)
+    assert np.allclose(table.rho_learned / table.rho_initial, np.exp(1.0), rtol=1e-2)
+
+    fig = participation_figure_of({"learn2pfed-train, seed 0": table, "learn2pfed-val, seed 0": table}, "poly: participation")
+    assert len(fig.axes) == 4 and all(len(ax.get_lines()) >= 2 for ax in fig.axes)
+    boxes = [(t.get_text(), t.get_window_extent()) for t in drawn_texts(fig)]
+    for text, box in boxes:
+        assert fig.bbox.x0 <= box.x0 and box.x1 <= fig.bbox.x1 and fig.bbox.y0 <= box.y0 and box.y1 <= fig.bbox.y1, text
+    assert not [(a, b) for i, (a, box) in enumerate(boxes) for b, other in boxes[i + 1:] if box.overlaps(other)]

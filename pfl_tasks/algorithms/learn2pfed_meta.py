@@ -146,3 +146,26 @@ def participation(cells: Cells) -> torch.Tensor:
     parameter j of client i to w."""
     lam = torch.stack([cells.values(c)["lam"] for c in range(len(cells.raw["lam"]))]).detach()
     return lam if cells.form == "diagonal" else lam.diagonal(dim1=-2, dim2=-1)
+
+
+def parameter_groups(problem: Problem) -> dict[str, torch.Tensor]:
+    """Name -> the positions in v_i of a group of parameters: each coefficient of a regression
+    model, the weights and the biases of a classification head [classes, features + 1]."""
+    if problem.n_classes == 0:
+        return {f"coef {j}": torch.tensor([j]) for j in range(problem.dim)}
+    position = torch.arange(problem.dim).view(problem.n_classes, -1)
+    return {"weights": position[:, :-1].flatten(), "bias": position[:, -1]}
+
+
+def participation_table(initial: Cells, learned: Cells, problem: Problem) -> list[dict]:
+    """What the meta-training made of each client's participation: per cell layer, client and
+    parameter group, Lambda's diagonal (its geometric mean over the group) and rho, initial and
+    learned."""
+    groups = parameter_groups(problem)
+    lam = {"initial": participation(initial), "learned": participation(learned)}
+    rho = {name: torch.stack([cells.values(c)["rho"] for c in range(len(cells.raw["rho"]))]).detach()
+           for name, cells in (("initial", initial), ("learned", learned))}
+    return [{"cell": c, "client_id": i, "group": group,
+             **{f"lam_{name}": value[c, i, index].log().mean().exp().item() for name, value in lam.items()},
+             **{f"rho_{name}": value[c, i].item() for name, value in rho.items()}}
+            for c in range(lam["learned"].shape[0]) for i in range(problem.n_clients) for group, index in groups.items()]
