@@ -3,9 +3,12 @@ digits-shaped federations, one-experiment params), side-by-side timing, and the 
 
 from __future__ import annotations
 
+import datetime
+import json
 import resource
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -117,3 +120,14 @@ def p3(reps: int, ns: list[int], k: int, device: str = "cpu") -> dict:
     print(f"  {row['case']}: max/min {row['ratio']:.2f}, N={max(ns)} evaluation {eval_s:.1f}s, "
           f"peak RSS {row['peak_rss_bytes'] / 2**30:.1f} GiB", flush=True)
     return row
+
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def write_results(name: str, record, text: str) -> None:
+    """bench/results/<today>-<name>.{json,md}, and the text on the console."""
+    stem = RESULTS / f"{datetime.date.today().isoformat()}-{name}"
+    stem.with_suffix(".json").write_text(json.dumps(record, indent=1))
+    stem.with_suffix(".md").write_text(text)
+    print(text, end="")

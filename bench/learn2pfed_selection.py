@@ -21,7 +21,8 @@ import sys
 
 import torch
 
-from bench.learn2pfed_options import RESULTS, TASKS, problems
+from bench.common import write_results
+from bench.learn2pfed_options import TASKS, problems
 from flows.learn2pfed import Problems, meta_epochs, selection_scores
 from pfl_tasks.algorithms.learn2pfed import Cells
 from pfl_tasks.algorithms.learn2pfed_meta import (
@@ -99,10 +100,7 @@ def main(argv: list[str] | None = None) -> int:
                          f"| {mean['local_ls']:.4f} | {mean['pooled_ls']:.4f} "
                          f"| {', '.join(str(r['selected_epoch']) for r in group)} "
                          f"| {', '.join(str(r['argmax_epoch']) for r in group)} | {kept}/{len(group)} | {below}/{len(group)} |")
-    stem = RESULTS / f"{datetime.date.today().isoformat()}-learn2pfed-selection{'-quick' if args.quick else ''}"
-    stem.with_suffix(".json").write_text(json.dumps(rows, indent=1))
-    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_results(f"learn2pfed-selection{'-quick' if args.quick else ''}", rows, "\n".join(lines) + "\n")
     return 0
 
 
