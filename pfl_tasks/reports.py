@@ -851,6 +851,8 @@ def draw_participation(axes, table: pd.DataFrame, label: str) -> None:
     mean = table.groupby(["client_id", "group"], sort=False)[
         ["lam_initial", "lam_learned", "rho_initial", "rho_learned"]].agg(lambda x: float(np.exp(np.log(x).mean())))
     clients = mean.index.get_level_values(0).unique()
+    from matplotlib.ticker import MaxNLocator
+
     lam_ax, rho_ax = axes
     for k, group in enumerate(mean.index.get_level_values(1).unique()):
         rows = mean.xs(group, level="group")
@@ -862,6 +864,7 @@ def draw_participation(axes, table: pd.DataFrame, label: str) -> None:
     rho_ax.plot(clients, rho["rho_learned"], "o-", color="black", label="learned")
     for ax, what in ((lam_ax, "Lambda's diagonal (large: tied to w)"), (rho_ax, "rho")):
         ax.set_yscale("log")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_xlabel("client")
         ax.set_ylabel(f"{label}\n{what}")
         ax.grid(alpha=0.3)
