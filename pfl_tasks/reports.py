@@ -197,6 +197,9 @@ class MethodResult:
     # `validation_rows` names (Learn2pFed's `val` supervision), not comparable with the others'
     validation_rows: str = ALL_VALIDATION
     rule: VerdictConfig = VerdictConfig()  # what its verdicts are judged by
+    # a downstream method's validation metric at its curve's step 0 (Learn2pFed: the initial
+    # Theta), mean over its seeds, on the rows `val` is on
+    initial_val: float | None = None
 
     @property
     def too_few_rounds(self) -> list[tuple[int, int, int]]:
@@ -247,6 +250,13 @@ def test_selected(client, run_ids: list[str], metric: str) -> float | None:
 def _mean(runs: list, key: str) -> float | None:
     values = [run.data.metrics[key] for run in runs if key in run.data.metrics]
     return statistics.fmean(values) if values else None
+
+
+def initial_validation(client, run_ids: list[str], metric: str) -> float | None:
+    """The mean over runs of the validation curve's step 0, None where a run has none."""
+    first = [next((m.value for m in client.get_metric_history(run_id, f"val/personalized/{metric}_mean") if m.step == 0),
+                  None) for run_id in run_ids]
+    return None if not first or None in first else statistics.fmean(first)
 
 
 def plateaued(client, run_id: str, metric: str, rule: VerdictConfig) -> bool | None:
@@ -572,6 +582,14 @@ def markdown(experiment: str, metric: str, results: list[MethodResult], figures:
         lines += ["", f"{method} is trained on the frozen body of {upstream}'s trained runs, seed for seed: "
                       f"{upstream}'s compute and communication (its row, and its tuning) come before its own, "
                       "whose passes are over the linear head alone."]
+    for r in results:
+        if r.initial_val is None or r.val is None:
+            continue
+        gained = r.val > r.initial_val if HIGHER_IS_BETTER[metric] else r.val < r.initial_val
+        lines += ["", f"{r.method}'s meta-training: validation {metric} {r.initial_val:.4f} at meta-epoch 0 (the initial "
+                      f"Θ), {r.val:.4f} at the selected meta-epochs, mean over seeds"
+                      + ("." if gained else ": its meta-training adds nothing here; what it gains comes from its "
+                         "cells run at the initial Θ.")]
     unranked = [r for r in results if not r.ranked]
     if unranked:
         lines += ["", "Not ranked:", ""]
@@ -916,7 +934,8 @@ def write_report(client, experiment: str, report_dir: Path, figure_dir: Path,
                              *(figure_dir / f"{experiment}-{name}.png" for name, _, _ in FIGURES))
     newest = collect(client, experiment, only)
     metric = primary_metric(newest)
-    results = summarize(client, newest, metric, rule)
+    results = [replace(r, initial_val=initial_validation(client, r.run_ids, metric)) if r.method in (downstream or {})
+               else r for r in summarize(client, newest, metric, rule)]
     figures = {}
     for name, build, caption in FIGURES:
         fig = build(client, results, metric, f"{experiment}: {caption}")

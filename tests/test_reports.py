@@ -543,6 +543,14 @@ def test_a_method_trained_downstream_of_another_says_whose_costs_precede_its_own
                            downstream=downstream_methods(params, "e"))
     assert "learn2pfed-train is trained on the frozen body of fedavg's trained runs" in text
     assert "learn2pfed-val" not in text  # not among the rows
+    # the meta-training's effect on validation, and where it had none, what the rank comes from
+    from dataclasses import replace
+
+    flat, learned = (replace(ranked_result("learn2pfed-train", 0.9, val=0.95), initial_val=v) for v in (0.95, 0.93))
+    for result, adds_nothing in ((flat, True), (learned, False)):
+        text = report_markdown("e", "acc", [result, ranked_result("fedavg", 0.8)], {}, downstream=downstream_methods(params, "e"))
+        assert f"validation acc {result.initial_val:.4f} at meta-epoch 0" in text and "0.9500 at the selected" in text
+        assert ("its meta-training adds nothing here" in text) == adds_nothing
 
 
 def test_a_method_scored_on_other_validation_rows_is_not_the_choice_on_validation():
