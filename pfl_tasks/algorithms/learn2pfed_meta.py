@@ -144,8 +144,13 @@ def costs(fit: Problem, supervise: Problem, cfg: Learn2pFedConfig) -> dict[str, 
 def participation(cells: Cells) -> torch.Tensor:
     """Learned lambda_ij [layers, M, d] (a full Lambda_i's diagonal): large lambda_ij ties
     parameter j of client i to w."""
-    lam = torch.stack([cells.values(c)["lam"] for c in range(len(cells.raw["lam"]))]).detach()
+    lam = per_layer(cells, "lam")
     return lam if cells.form == "diagonal" else lam.diagonal(dim1=-2, dim2=-1)
+
+
+def per_layer(cells: Cells, key: str) -> torch.Tensor:
+    """Theta's `key` in each of its layers (one when tied), detached: [layers, M, ...]."""
+    return torch.stack([cells.values(c)[key] for c in range(len(cells.raw[key]))]).detach()
 
 
 def parameter_groups(problem: Problem) -> dict[str, torch.Tensor]:
@@ -163,8 +168,7 @@ def participation_table(initial: Cells, learned: Cells, problem: Problem) -> lis
     learned."""
     groups = parameter_groups(problem)
     lam = {"initial": participation(initial), "learned": participation(learned)}
-    rho = {name: torch.stack([cells.values(c)["rho"] for c in range(len(cells.raw["rho"]))]).detach()
-           for name, cells in (("initial", initial), ("learned", learned))}
+    rho = {"initial": per_layer(initial, "rho"), "learned": per_layer(learned, "rho")}
     return [{"cell": c, "client_id": i, "group": group,
              **{f"lam_{name}": value[c, i, index].log().mean().exp().item() for name, value in lam.items()},
              **{f"rho_{name}": value[c, i].item() for name, value in rho.items()}}
