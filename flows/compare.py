@@ -38,7 +38,7 @@ from pfl_tasks.errors import ComparisonError
 from pfl_tasks.files import OutputLock, atomic_write_text, remove_stale_temporaries
 from pfl_tasks.outputs import json_text
 from pfl_tasks.reports import best_line, configured_runs, downstream_methods, flips, results_store, write_report
-from pfl_tasks.tuning import read_tuning
+from pfl_tasks.tuning import checked_tuning
 from pfl_tasks.tracking import tracking_uri as configured_uri
 
 REPORTS = Path("reports/compare")
@@ -62,7 +62,7 @@ def compare(experiments: list[str] | None = None, params_path: str = "params.yam
         remove_stale_temporaries(root / RANKING)  # what a killed writer left
         others = read_ranking(root / RANKING) if experiments_asked else {}  # kept for the experiments not compared
         for experiment in experiments:
-            tuning = read_tuning(root, experiment) if experiment in params.tuning else None
+            tuning = checked_tuning(params, experiment, root) if experiment in params.tuning else None
             results = rankings[experiment] = write_report(client, experiment, root / REPORTS, root / FIGURES,
                                                           pinned[experiment], tuning,
                                                           downstream_methods(params, experiment), params.verdicts)

@@ -341,7 +341,7 @@ def run_experiment(experiment: str, params_path: str = "params.yaml", root: str 
     exp = params.experiment(experiment)
     check_inputs(params, experiment, Path(root))
     check_prefect_api()
-    open_store(tracking_uri(params.tracking.mlflow_uri))
+    open_store(tracking_uri(params.tracking.mlflow_uri), params.tracking.retry_seconds)
     print(f"{experiment}: learn2pfed on {torch_threads(exp.engine)} torch thread(s) (engine.threads: "
           f"{exp.engine.threads}; {usable_cores()} cores)")
     with prefect_api():

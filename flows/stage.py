@@ -38,7 +38,8 @@ STORAGE_FULL = (errno.ENOSPC, errno.EDQUOT)  # a disk or quota full: one line, a
 OUR_SERVER = "PFL_PREFECT_SERVER"  # the URL of a server a stage or `make run` started, for its child processes
 _APIS: set[str] = set()  # the Prefect APIs this process's flows reported to
 # the loggers of Prefect's background services, which report, record by record, what its API did not take
-DEAD_SERVER_NOISE = ("prefect.events.clients", "prefect._internal.concurrency")
+DEAD_SERVER_NOISE = ("prefect.events.clients", "prefect.events.worker", "prefect._internal.concurrency",
+                     "EventsWorker", "APILogWorker")
 DRAIN_SECONDS = 5.0  # the longest a stage waits at its end for its Prefect server to take the last logs and events
 
 
@@ -257,41 +258,49 @@ def quiet_prefect_logs() -> None:
 
 
 def stage_main(name: str, work: Callable[[], object]) -> int:
-    """Run `work` on one snapshot of the params files it reads and map its end to an exit code:
-    0 done; 2 a clear error of config (a params file edited while it ran among them), data,
+    """Run `work` on one snapshot of the config files it reads and map its end to an exit code:
+    0 done; 2 a clear error of config (a config file edited while it ran among them), data,
     checkpoint, lock, output folder or tracking, or a full disk (one line); 128 + N stopped by
     signal N (SIGTERM and SIGHUP stop it cleanly, as SIGINT does); 1 anything else (traceback,
-    then one line)."""
+    then one line). Prefect's background services are silenced before that last line, so that
+    nothing they report of a dying server follows it."""
     previous = {sig: signal.signal(sig, _stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
     set_background_noise(disabled=False)
+    code, line = 0, None
     try:
         with quiet_expected_errors(), params_snapshot():  # every flow run of the stage runs one version
             work()
     except RunStopped as err:
-        print(f"{name} {err}", file=sys.stderr)
-        return 128 + err.signum
+        code, line = 128 + err.signum, f"{name} {err}"
     except KeyboardInterrupt:
-        print(f"{name} stopped by SIGINT", file=sys.stderr)
-        return 128 + signal.SIGINT
+        code, line = 128 + signal.SIGINT, f"{name} stopped by SIGINT"
     except Exception as err:
-        url = prefect_unreachable(err)
-        if url is not None:
-            print(f"{name} failed: the Prefect server at {url} stopped answering ({err}): rerun the stage "
-                  "(finished runs are kept, the others resume from their last checkpoints)", file=sys.stderr)
-            return 2
-        if not expected(err):
+        said, code = ending(err), 2
+        if said is None:
             traceback.print_exc()
-            print(f"{name} failed: {type(err).__name__}: {err}", file=sys.stderr)
-            return 1
-        if isinstance(err, OSError):
-            err = f"{err.strerror}: {err.filename}: make room and rerun (finished runs are kept, others resume)"
-        print(f"{name} failed: {err}", file=sys.stderr)
-        return 2
+            said, code = f"{type(err).__name__}: {err}", 1
+        line = f"{name} failed: {said}"
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         set_background_noise(disabled=True)  # their drain at exit would follow the stage's last line
-    return 0
+    if line is not None:
+        _say(line)
+    return code
+
+
+def ending(err: Exception) -> str | None:
+    """The one line that says an expected error (`expected`, or the Prefect server gone), with
+    what a rerun does; None for any other error."""
+    url = prefect_unreachable(err)
+    if url is not None:
+        return (f"the Prefect server at {url} stopped answering ({err}): rerun the stage "
+                "(finished runs are kept, the others resume from their last checkpoints)")
+    if not expected(err):
+        return None
+    if isinstance(err, OSError):
+        return f"{err.strerror}: {err.filename}: make room and rerun (finished runs are kept, others resume)"
+    return str(err)
 
 
 def set_background_noise(disabled: bool) -> None:

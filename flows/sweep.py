@@ -131,7 +131,7 @@ def run_sweep(sweep: SweepConfig, root: str = ".") -> None:
     (params `grid.<key>`) and, once the sweep ends, its choice (`record_choice`)."""
     params = parse_params(checked_sweep_params(sweep))
     check_prefect_api()
-    open_store(tracking_uri(params.tracking.mlflow_uri))
+    open_store(tracking_uri(params.tracking.mlflow_uri), params.tracking.retry_seconds)
     parent = None
     try:
         parent = MlflowRun(params.tracking.mlflow_uri, sweep.experiment_name, f"sweep-{sweep.name}", None,

@@ -100,7 +100,7 @@ def train_experiment(
     if orchestrated and todo:
         check_prefect_api()
     uri = tracking_uri(params.tracking.mlflow_uri)
-    open_store(uri)
+    open_store(uri, params.tracking.retry_seconds)
     kept = {pinned_run(outcome): key for key, outcome in results.items()}
     unmarked = [kept[run_id] for run_id in unmarked_runs(uri, list(kept), params.tracking.retry_seconds)]
     if unmarked:  # a finished run is one whose checkpoint, metrics and MLflow mark agree

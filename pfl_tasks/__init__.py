@@ -1,5 +1,5 @@
 """pfl_tasks: the personalized-federated-learning library behind the pipeline.
 
-Its layers, each importing only from its own and those below it, are drawn in the README's
-"Layout" section and held by tests/test_layers.py.
+Its layers, each importing only from its own and those below it, are drawn in docs/engine.md
+("Layout") and held by tests/test_layers.py.
 """

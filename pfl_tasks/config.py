@@ -338,9 +338,27 @@ class EngineConfig(Strict):
         return self
 
 
+MLFLOW_KEY_CHARACTERS = re.compile(r"[/\w.\- :]*")  # as mlflow.utils.validation checks tag keys (not on Windows)
+MLFLOW_KEY_LENGTH = 250
+
+
+def _mlflow_tag_key(key: str) -> str:
+    """A tag key MLflow takes, checked with the config rather than by a run's first log."""
+    if len(key) > MLFLOW_KEY_LENGTH:
+        raise ValueError(f"MLflow takes tag keys of at most {MLFLOW_KEY_LENGTH} characters, not {len(key)}")
+    if not MLFLOW_KEY_CHARACTERS.fullmatch(key):
+        raise ValueError("MLflow's tag keys may only contain alphanumerics, underscores (_), dashes (-), periods (.), "
+                         "spaces ( ), colons (:) and slashes (/)")
+    normal = os.path.normpath(key)
+    if normal != key or normal == "." or normal.startswith(("..", "/")):
+        raise ValueError(f"MLflow refuses a tag key that would resolve to the path {normal!r}")
+    return key
+
+
 class TrackingConfig(Strict):
     mlflow_uri: str = "sqlite:///mlflow.db"  # MLFLOW_TRACKING_URI overrides
-    tags: dict[str, str] = {}  # on every training run of this params file (a sweep's: its parent run)
+    # on every training run of this params file (a sweep's: its parent run)
+    tags: dict[Annotated[str, AfterValidator(_mlflow_tag_key)], str] = {}
     # a locked or unreachable store is retried with backoff this long, then the run fails
     # (checkpointed, resumable)
     retry_seconds: PositiveFloat = 120.0
@@ -676,16 +694,16 @@ ParamsLoader.add_implicit_resolver(
 )
 
 
-# while a stage runs: each params file's bytes as the stage first read them (`params_snapshot`)
+# while a stage runs: each config file's bytes as the stage first read them (`params_snapshot`)
 _snapshot: dict[Path, bytes] | None = None
 
 
 @contextlib.contextmanager
 def params_snapshot() -> Iterator[None]:
-    """Every read of a params file inside this block (a stage) returns the bytes of its first
-    read, so that all its flow runs run one version. At the block's normal end a file edited
-    meanwhile is a ConfigError (the stage then fails, and DVC records nothing). Nested blocks
-    share the outermost snapshot."""
+    """Every read of a file that configures runs (a params file, a tuning file: `snapshot_read`)
+    inside this block (a stage) returns the bytes of its first read, so that all its flow runs
+    run one version. At the block's normal end a file edited meanwhile is a ConfigError (the
+    stage then fails, and DVC records nothing). Nested blocks share the outermost snapshot."""
     global _snapshot
     if _snapshot is not None:
         yield
@@ -701,6 +719,18 @@ def params_snapshot() -> Iterator[None]:
         _snapshot = None
 
 
+def snapshot_read(path: str | Path) -> bytes:
+    """At most MAX_PARAMS_BYTES + 1 bytes of a config file: inside `params_snapshot`, those of
+    its first read there."""
+    key = Path(path).resolve()
+    if _snapshot is not None and key in _snapshot:
+        return _snapshot[key]
+    text = _read_bytes(Path(path))
+    if _snapshot is not None:
+        _snapshot[key] = text
+    return text
+
+
 def _read_bytes(path: Path, missing: bytes | None = None) -> bytes:
     """At most MAX_PARAMS_BYTES + 1 bytes of `path` (`missing` for a file that is gone)."""
     try:
@@ -714,16 +744,13 @@ def _read_bytes(path: Path, missing: bytes | None = None) -> bytes:
 
 def read_params(path: str | Path) -> dict:
     """The raw params file, unvalidated; one over MAX_PARAMS_BYTES is refused unread."""
-    key = Path(path).resolve()
     try:
-        text = _snapshot[key] if _snapshot is not None and key in _snapshot else _read_bytes(Path(path))
+        text = snapshot_read(path)
     except OSError as err:
         raise ConfigError(f"cannot read {path}: {err}") from None
     if len(text) > MAX_PARAMS_BYTES:
         size = max(len(text), os.stat(path).st_size)
         raise ConfigError(f"{path}: {size:,} bytes, over the {MAX_PARAMS_BYTES:,} bytes a params file may take")
-    if _snapshot is not None:
-        _snapshot[key] = text
     stream = io.BytesIO(text)
     stream.name = str(path)  # for the marks of YAML's errors
     try:

@@ -43,6 +43,13 @@ class ComparisonError(ValueError):
     """The tracked runs cannot make the comparison asked for (missing experiment or runs)."""
 
 
+def listing(items, shown: int = 5) -> str:
+    """The first `shown` of `items` and how many more, so that an error line stays a line."""
+    items = list(items)
+    head = ", ".join(str(item) for item in items[:shown])
+    return f"{head} and {len(items) - shown:,} more" if len(items) > shown else head
+
+
 class RunStopped(BaseException):
     """SIGTERM, SIGHUP or SIGINT asked the run to stop (a BaseException, as KeyboardInterrupt: no
     `except Exception` on the way may swallow it)."""

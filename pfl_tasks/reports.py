@@ -4,7 +4,7 @@ The per-experiment comparison (`flows.compare`) and the paper tables (`flows.tab
 MLflow through `collect` and `summarize`, so they count the same runs: for each configured
 (method, seed), its newest run that finished or diverged, and nothing else.
 
-The protocol (README, "How methods are compared"): a method's score is the test metric of its
+The protocol (docs/protocol.md): a method's score is the test metric of its
 personalized model at the round selected on validation, per client; the cell is the mean over
 seeds of the client mean, with a 95% CI from a two-level bootstrap (seeds, then clients). The
 best method is compared with each other one by a paired test over clients (`stats.TEST_NAME`);
@@ -37,7 +37,7 @@ from pfl_tasks.outputs import CLIENTS_CSV, pinned_run, write_csv
 from pfl_tasks.runs import RunPaths
 from pfl_tasks.selection import SELECTION_RULE, plateau
 from pfl_tasks.stats import TEST_NAME, WEIGHTED_TEST_NAME, holm, mean_ci, paired_pvalue, paired_weighted_pvalue
-from pfl_tasks.tracking import local_artifact_dir, sqlite_path
+from pfl_tasks.tracking import local_artifact_dir, open_store, sqlite_path
 
 ALL_VALIDATION = "every client's validation rows"
 CLIENTS_TABLE = CLIENTS_CSV["selected"]  # each client's metrics at the round selected on validation
@@ -81,10 +81,13 @@ def downstream_methods(params, experiment: str) -> dict[str, str]:
 def results_store(uri: str, experiments: list[str], params_path: str, every: bool = True):
     """(MlflowClient, those of `experiments` it holds) for the store a report reads; a
     ComparisonError that says what to run first when it holds none of them or (`every`) not all.
-    A sqlite store that is not there yet stays so (MLflow would create an empty one)."""
+    A sqlite store that is not there yet stays so (MLflow would create an empty one); one that
+    cannot be read, or a server that does not answer, is `open_store`'s TrackingError."""
     from mlflow.tracking import MlflowClient
 
     path = sqlite_path(uri)
+    if path is None or path.exists():
+        open_store(uri)
     client = MlflowClient(tracking_uri=uri) if path is None or path.exists() else None
     held = [e for e in experiments if client is not None and client.get_experiment_by_name(e) is not None]
     if len(held) < len(experiments) and (every or not held):
@@ -866,11 +869,11 @@ PARTICIPATION_CSV = "participation.csv"  # a Learn2pFed run's (learn2pfed_meta.p
 def draw_participation(axes, table: pd.DataFrame, label: str) -> None:
     """Two axes: Lambda's diagonal per client and parameter group, and rho per client, initial
     (hollow, dashed) against learned (filled); geometric means over untied cells."""
+    from matplotlib.ticker import MaxNLocator
+
     mean = table.groupby(["client_id", "group"], sort=False)[
         ["lam_initial", "lam_learned", "rho_initial", "rho_learned"]].agg(lambda x: float(np.exp(np.log(x).mean())))
     clients = mean.index.get_level_values(0).unique()
-    from matplotlib.ticker import MaxNLocator
-
     lam_ax, rho_ax = axes
     for k, group in enumerate(mean.index.get_level_values(1).unique()):
         rows = mean.xs(group, level="group")

@@ -223,9 +223,11 @@ class Run:
             run_id = None
         key = {"experiment": self.identity["experiment"], "variant": self.identity["algorithm"],
                "seed": str(self.seed), "host": socket.gethostname()}
+        mine = {**key, "pid": str(os.getpid())}
         self.tracker = MlflowRun(self.tracking.mlflow_uri, experiment, f"{self.identity['algorithm']}-seed{self.seed}",
-                                 run_id, self.tracking.retry_seconds, tags={**key, "pid": str(os.getpid())},
-                                 stopping=self._stopping)
+                                 run_id, self.tracking.retry_seconds, tags=mine, stopping=self._stopping)
+        if self.tracker.to_resume:
+            self.tracker.resume(mine)
         self.tracker.fail_stale_runs(key, "its process died (found RUNNING by a later run of the same output)")
         self.tracker.log_params_and_tags(params, {**tags, IDENTITY_TAG: self.identity_tag()})
         history = self.resumed.get("history", []) if self.resumed else []

@@ -19,12 +19,15 @@ import fcntl
 import itertools
 import os
 import pickle
+import signal
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
+
+from pfl_tasks.errors import TrackingError
 
 _UNREACHABLE = ("ConnectionError", "ConnectTimeout", "ReadTimeout", "Timeout", "MaxRetryError", "NewConnectionError")
 _BUSY = ("TEMPORARILY_UNAVAILABLE", "REQUEST_LIMIT_EXCEEDED")  # MLflow's error codes worth another try
@@ -59,16 +62,29 @@ def sqlite_path(uri: str) -> Path | None:
     return Path(uri.removeprefix("sqlite:///").split("?")[0])
 
 
+LOCK_WAIT = 2.0  # the longest a store call waits for `store_lock` before it fails, to be retried
+
+
 @contextlib.contextmanager
 def store_lock(uri: str):
     """Serializes first use of a sqlite store across processes (MLflow migrates a new database
-    on first use, and two processes doing so at once fail)."""
+    on first use, and two processes doing so at once fail). A lock held past LOCK_WAIT is a
+    transient StoreCallError: the caller's retries, bounded and said, wait for it."""
     path = sqlite_path(uri)
     if path is None:
         yield
         return
     with open(f"{path}.lock", "a") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
+        deadline = time.monotonic() + LOCK_WAIT
+        while True:
+            try:
+                fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise StoreCallError(f"another process holds {Path(fh.name).resolve()} (MLflow's first use of "
+                                         "the store)", transient=True) from None
+                time.sleep(0.05)
         yield
 
 
@@ -113,22 +129,30 @@ class _StoreProcess:
         reply = concurrent.futures.Future()
         with self._lock:
             if self._ended is not None:
-                raise StoreCallError(self._ended)
+                raise self.death()
             number = next(self._numbers)
             self._waiting[number] = reply  # answered by number: a call interrupted here waits for nothing
             try:
                 pickle.dump((number, uri, name, args, kwargs), self.proc.stdin)
                 self.proc.stdin.flush()
-            except OSError as err:
+            except OSError:
                 del self._waiting[number]
-                raise StoreCallError(f"the MLflow store process is gone ({err})") from None
+                self._ended = self._ended or f"the MLflow store process ended ({ended_how(self.proc.wait())})"
+                raise self.death() from None
         return reply
 
     def call(self, uri: str, name: str, args: tuple, kwargs: dict):
         status, *value = self.submit(uri, name, args, kwargs).result()
+        if status == "ended":
+            raise self.death()
         if status == "error":
             raise StoreCallError(*value)
         return value[0]
+
+    def death(self) -> TrackingError:
+        """The store process's end, as a stage says it: one line, with what a rerun does."""
+        return TrackingError(f"{self._ended}: rerun the stage (finished runs are kept, the others resume from "
+                             "their last checkpoints)")
 
     def _replies(self) -> None:
         try:
@@ -140,9 +164,9 @@ class _StoreProcess:
         except (EOFError, OSError, pickle.UnpicklingError):
             pass
         with self._lock:
-            self._ended = f"the MLflow store process ended (exit {self.proc.wait()})"
+            self._ended = f"the MLflow store process ended ({ended_how(self.proc.wait())})"
             for waiting in self._waiting.values():
-                waiting.set_result(("error", self._ended))
+                waiting.set_result(("ended",))
             self._waiting.clear()
 
     def close(self, timeout: float = 1.0) -> None:
@@ -154,6 +178,10 @@ class _StoreProcess:
             self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
             self.proc.kill()
+
+
+def ended_how(returncode: int) -> str:
+    return f"killed by {signal.Signals(-returncode).name}" if returncode < 0 else f"exit {returncode}"
 
 
 _PROCESS: _StoreProcess | None = None
@@ -185,8 +213,6 @@ def plain(value):
 
 
 def _serve(parent: int) -> None:
-    import signal
-
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
 

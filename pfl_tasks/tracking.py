@@ -10,13 +10,14 @@ import contextlib
 import hashlib
 import os
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 from pfl_tasks.errors import RunStopped, TrackingError
-from pfl_tasks.store_process import StoreClient, sqlite_path, transient
+from pfl_tasks.store_process import StoreCallError, StoreClient, sqlite_path, transient
 
 ACTIVE_ONLY = 1  # MLflow's ViewType.ACTIVE_ONLY: the runs not deleted
 
@@ -66,7 +67,8 @@ def tracking_uri(configured: str) -> str:
     return uri
 
 
-def retrying(call, what: str, bound: float, first_wait: float = 0.5, stopping: Callable[[], None] = lambda: None):
+def retrying(call, what: str, bound: float, first_wait: float = 0.5, stopping: Callable[[], None] = lambda: None,
+             then: str = "the run is checkpointed and resumes when rerun"):
     """`call()`, retried with exponential backoff (0.5 s doubling to 8 s) while it fails
     transiently, for at most `bound` seconds; then TrackingError. The tries run on a thread of
     their own while this one waits in slices of 0.1 s, so that signals are handled at once and
@@ -93,9 +95,8 @@ def retrying(call, what: str, bound: float, first_wait: float = 0.5, stopping: C
     try:
         while not concurrent.futures.wait([result], timeout=min(0.1, max(deadline - time.monotonic(), 0.0))).done:
             if time.monotonic() >= deadline:
-                last = str(latest[0]).strip().splitlines()[0][:200] if latest else "no answer"
-                raise TrackingError(f"MLflow store unavailable for {bound:g} s ({what}: {last}); "
-                                    "the run is checkpointed and resumes when rerun")
+                last = first_line(latest[0]) if latest else "no answer"
+                raise TrackingError(f"MLflow store unavailable for {bound:g} s ({what}: {last}); {then}")
             stopping()
     except BaseException:
         given_up.set()
@@ -129,9 +130,10 @@ def local_artifact_dir(store_uri: str, artifact_uri: str) -> Path | None:
     return store.resolve().parent.joinpath(*below)
 
 
-def open_store(uri: str) -> None:
+def open_store(uri: str, retry_seconds: float = 120.0) -> None:
     """Fail fast, before any training, on a store that cannot work, and create (migrate) it
-    once. Errors name `tracking.mlflow_uri`."""
+    once; a store busy (locked by another process) is retried for `retry_seconds`, said in a
+    line when it first is. Errors name `tracking.mlflow_uri`."""
     import urllib.request
 
     where = f"tracking.mlflow_uri ({uri})"
@@ -151,10 +153,33 @@ def open_store(uri: str) -> None:
                 pass
         except OSError as err:
             raise TrackingError(f"{where}: no MLflow server answers ({err})") from None
+    announced = []
+
+    def attempt() -> None:
+        try:
+            StoreClient(uri).open()
+        except Exception as err:
+            if transient(err) and not announced:
+                announced.append(err)
+                print(f"{where}: {first_line(err)}: retrying for up to {retry_seconds:g} s", file=sys.stderr,
+                      flush=True)
+            raise
+
     try:
-        StoreClient(uri).open()
+        retrying(attempt, "open", retry_seconds, then="nothing ran: rerun when it is free")
+    except TrackingError as err:
+        raise TrackingError(f"{where}: {err}") from None
     except Exception as err:
-        raise TrackingError(f"{where}: cannot open the store: {str(err).strip().splitlines()[0][:300]}") from None
+        raise TrackingError(f"{where}: cannot open the store: {first_line(err)}") from None
+
+
+SQLALCHEMY_NOTES = ("(raised as a result of", "[SQL:", "[parameters:", "(Background on this error")
+
+
+def first_line(err: BaseException) -> str:
+    """An error's message in a line: its first line that is not one of SQLAlchemy's notes."""
+    lines = [line for line in str(err).strip().splitlines() if line.strip() and not line.startswith(SQLALCHEMY_NOTES)]
+    return (lines or [type(err).__name__])[0][:300]
 
 
 class MlflowRun:
@@ -176,16 +201,19 @@ class MlflowRun:
         exp_id = exp.experiment_id if exp else self._call(
             "create experiment", self.client.create_experiment, experiment, artifact_location(tracking_uri(uri), experiment))
         run = None if run_id is None else self._call("get run", stored_run, self.client, run_id)
-        if run is not None:
-            self.run_id = run.info.run_id
-            self._call("resume run", self.client.update_run, self.run_id, status="RUNNING")
-            for stale in ("failure", "diverged_at"):  # of the attempt this one resumes
-                if stale in run.data.tags:
-                    self._call("resume run", self.client.delete_tag, self.run_id, stale)
-            self._call("tag run", self.client.log_batch, self.run_id, tags=texts(tags or {}))
-            return
-        self.run_id = self._call("create run", self.client.create_run, exp_id, run_name=run_name,
-                                 tags=dict(texts(tags or {}))).info.run_id
+        self.to_resume = run is not None  # found, not yet set RUNNING again: `resume`
+        self._stale_tags = [tag for tag in ("failure", "diverged_at") if run is not None and tag in run.data.tags]
+        self.run_id = run.info.run_id if run is not None else self._call(
+            "create run", self.client.create_run, exp_id, run_name=run_name, tags=dict(texts(tags or {}))).info.run_id
+
+    def resume(self, tags: dict[str, str]) -> None:
+        """The run found by id RUNNING again, without the tags of how its last attempt ended,
+        tagged with `tags`; a failure here leaves it to the caller to mark (`finish`)."""
+        self.to_resume = False
+        self._call("resume run", self.client.update_run, self.run_id, status="RUNNING")
+        for stale in self._stale_tags:
+            self._call("resume run", self.client.delete_tag, self.run_id, stale)
+        self._call("tag run", self.client.log_batch, self.run_id, tags=texts(tags))
 
     def __enter__(self) -> MlflowRun:
         return self
@@ -199,9 +227,13 @@ class MlflowRun:
     def _call(self, what: str, fn, *args, bound: float | None = None, **kwargs):
         """`fn(*args, **kwargs)`, retried for `retry_seconds`; with a `bound`, a last try that
         records how the run ended (after a failure or a stop): no stop request gives it up."""
-        if bound is not None:
-            return retrying(lambda: fn(*args, **kwargs), what, bound)
-        return retrying(lambda: fn(*args, **kwargs), what, self.retry_seconds, stopping=self.stopping)
+        try:
+            if bound is not None:
+                return retrying(lambda: fn(*args, **kwargs), what, bound)
+            return retrying(lambda: fn(*args, **kwargs), what, self.retry_seconds, stopping=self.stopping)
+        except StoreCallError as err:  # not transient: MLflow refused it
+            raise TrackingError(f"the MLflow store refused to {what} ({first_line(err)}); the run is checkpointed "
+                                "and resumes when rerun") from err
 
     def drain(self, timeout: float | None = None) -> None:
         """Wait for the records in flight (at most `timeout` seconds); their error, if they

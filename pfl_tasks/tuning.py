@@ -18,7 +18,7 @@ import math
 from pathlib import Path
 
 from pfl_tasks.algorithms import build
-from pfl_tasks.config import Params, ResolvedExperiment, RunOverride, parse_params
+from pfl_tasks.config import Params, ResolvedExperiment, RunOverride, parse_params, snapshot_read
 from pfl_tasks.engine.evaluate import HIGHER_IS_BETTER
 from pfl_tasks.errors import ConfigError
 from pfl_tasks.grid import label, set_dotted
@@ -90,6 +90,16 @@ def at_edge(grid: dict[str, list], chosen: dict) -> list[str]:
             and chosen[key] in (min(values), max(values))]
 
 
+def on_grid(grid: dict[str, list], chosen) -> bool:
+    """`chosen` is one of the grid's points: its keys, each at one of its values, of its type."""
+    def kind(value) -> str:
+        return "bool" if isinstance(value, bool) else "number" if isinstance(value, (int, float)) else type(value).__name__
+
+    return (isinstance(chosen, dict) and chosen.keys() == grid.keys()
+            and all(any(kind(v) == kind(chosen[key]) and v == chosen[key] for v in values)
+                    for key, values in grid.items()))
+
+
 def choose(params: Params, experiment: str, results: list, seconds: float) -> dict:
     """The tuning file's content: per method its grid, every point's validation metric (or why
     it has none), the choice (the best on validation; the earlier point on a tie) and its
@@ -119,11 +129,16 @@ def choose(params: Params, experiment: str, results: list, seconds: float) -> di
 
 
 def read_tuning(root: Path, experiment: str) -> dict | None:
+    """The tuning file (None when there is none), as the stage first read it (`snapshot_read`)."""
     path = tuning_path(root, experiment)
-    if not path.exists():
-        return None
     try:
-        record = json.loads(path.read_text())
+        text = snapshot_read(path)
+    except FileNotFoundError:
+        return None
+    except OSError as err:
+        raise ConfigError(f"cannot read {path}: {err}") from None
+    try:
+        record = json.loads(text)
         if not isinstance(record, dict) or not isinstance(record.get("methods"), dict):
             raise ValueError("no 'methods' mapping")
     except ValueError as err:
@@ -131,24 +146,36 @@ def read_tuning(root: Path, experiment: str) -> dict | None:
     return record
 
 
+def checked_tuning(params: Params, experiment: str, root: Path) -> dict | None:
+    """The experiment's tuning file (None when there is none), refused in one line naming it
+    unless it holds, for each method, a choice over the configured grid that is one of its points."""
+    record, path = read_tuning(root, experiment), tuning_path(root, experiment)
+    for run, grid in grids(params, experiment).items() if record is not None else ():
+        entry = record["methods"].get(run)
+        if not isinstance(entry, dict) or entry.get("grid") != grid:
+            raise ConfigError(f"{path}: holds no choice for {run} over its grid {grid}: the grid changed since; "
+                              f"rerun `dvc repro tune-{experiment}`")
+        chosen = entry.get("chosen")  # None: no grid point finished
+        if chosen is not None and not on_grid(grid, chosen):
+            raise ConfigError(f"{path}: methods.{run}.chosen is {chosen}, not a point of its grid {grid}: "
+                              f"rerun `dvc repro tune-{experiment}`")
+    return record
+
+
 def tuned(params: Params, experiment: str, root: Path) -> ResolvedExperiment:
     """`experiment` as its training runs see it: each method at its tuning's choice when the
-    experiment has a `tuning` section (its file must hold this grid), else as configured."""
+    experiment has a `tuning` section (`checked_tuning`), else as configured."""
     exp = params.experiment(experiment)
     if experiment not in params.tuning:
         return exp
-    record, path = read_tuning(root, experiment), tuning_path(root, experiment)
+    record, path = checked_tuning(params, experiment, root), tuning_path(root, experiment)
     if record is None:
         raise ConfigError(f"{path}: missing: tune first (`dvc repro tune-{experiment}` or "
                           f"`python -m flows.tune {experiment}`)")
     hyper, run_overrides = dict(exp.hyper), dict(exp.run_overrides)
-    for run, grid in grids(params, experiment).items():
-        entry = record["methods"].get(run)
-        if entry is None or entry.get("grid") != grid:
-            raise ConfigError(f"{path}: holds no choice for {run} over its grid {grid}: the grid changed since; "
-                              f"rerun `dvc repro tune-{experiment}`")
-        chosen = entry["chosen"]
-        if chosen is None:  # no grid point finished: the configured values, and the report says so
+    for run in grids(params, experiment):
+        chosen = record["methods"][run]["chosen"]
+        if chosen is None:  # the configured values, and the report says so
             continue
         hyper[run] = {**hyper[run], **{k: v for k, v in chosen.items() if k != LOCAL_LR}}
         if LOCAL_LR in chosen:

@@ -150,7 +150,8 @@ def test_an_mlflow_error_resuming_a_run_is_raised_not_split_into_a_new_run(proje
 
     from flows.train import train_experiment
     from pfl_tasks.engine.federation import Federation
-    from pfl_tasks.store_process import StoreCallError, sqlite_path
+    from pfl_tasks.errors import TrackingError
+    from pfl_tasks.store_process import sqlite_path
 
     path, uri = own_store_params(project)
     evaluate = Federation.evaluate
@@ -162,9 +163,9 @@ def test_an_mlflow_error_resuming_a_run_is_raised_not_split_into_a_new_run(proje
     with sqlite3.connect(sqlite_path(uri)) as store:  # a store that refuses to set a run RUNNING again
         store.execute("CREATE TRIGGER refused BEFORE UPDATE OF status ON runs WHEN NEW.status = 'RUNNING' "
                       "BEGIN SELECT RAISE(ABORT, 'the store refused the update'); END")
-    with pytest.raises(StoreCallError, match="refused the update") as raised:
+    with pytest.raises(TrackingError, match="the MLflow store refused to resume run .*refused the update") as raised:
         train_experiment("tiny", path, str(project))
-    assert raised.value.error_code == "BAD_REQUEST" and not raised.value.transient
+    assert raised.value.__cause__.error_code == "BAD_REQUEST" and not raised.value.__cause__.transient
     _, runs = output_runs(uri)
     assert [r.info.status for r in runs] == ["FAILED"]
 

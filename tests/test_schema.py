@@ -72,14 +72,14 @@ def test_out_of_range_label_is_named(table):
 
 def test_empty_client_is_named(table):
     df = table[0][table[0]["client_id"] != 2]
-    with pytest.raises(DataValidationError, match=r"without any sample: \[2\]"):
+    with pytest.raises(DataValidationError, match=r"^1 of 5 clients without any sample: 2$"):
         check(df)
 
 
 def test_client_without_test_split_is_named(table):
     df = table[0]
     df = df[~((df["client_id"] == 4) & (df["split"] == "test"))]
-    with pytest.raises(DataValidationError, match=r"without a test sample: \[4\]"):
+    with pytest.raises(DataValidationError, match=r"^1 of 5 clients without a test sample: 4 \("):
         check(df)
 
 

@@ -55,7 +55,8 @@ class Stage:
             stderr=subprocess.STDOUT, text=True, env={**env, "PYTHONPATH": str(REPO), "CI": "true"},
         )
         self.lines, self.log = queue.Queue(), []
-        threading.Thread(target=self._read, daemon=True).start()
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
 
     def _read(self):
         for line in self.proc.stdout:
@@ -79,7 +80,7 @@ class Stage:
 
     def finish(self, timeout: float = 180) -> int:
         rc = self.proc.wait(timeout)
-        time.sleep(0.2)  # the reader thread drains the pipe
+        self.reader.join(timeout)  # it has read the pipe to its end
         return rc
 
 

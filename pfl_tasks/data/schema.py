@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from pfl_tasks.errors import DataValidationError
+from pfl_tasks.errors import DataValidationError, listing
 
 if TYPE_CHECKING:  # both load with the first table checked (0.45 s), not at import
     import pandas as pd
@@ -86,8 +86,10 @@ def validate_partition(df: pd.DataFrame, task: str, n_classes: int, n_clients: i
     present = df.groupby("client_id")["split"].agg(set)
     empty = sorted(set(range(n_clients)) - set(present.index))
     if empty:
-        raise DataValidationError(f"clients without any sample: {empty}")
+        raise DataValidationError(f"{len(empty):,} of {n_clients:,} clients without any sample: {listing(empty)}")
     for split in ("train", "val", "test"):
         lacking = sorted(int(k) for k, s in present.items() if split not in s)
         if lacking:
-            raise DataValidationError(f"clients without a {split} sample: {lacking}")
+            raise DataValidationError(f"{len(lacking):,} of {n_clients:,} clients without a {split} sample: "
+                                      f"{listing(lacking)} (each client needs a train, a val and a test sample: "
+                                      "fewer, larger clients)")

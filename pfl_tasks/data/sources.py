@@ -8,6 +8,7 @@ Nothing is downloaded: every source reads an installed package or local files.
 from __future__ import annotations
 
 import gzip
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Literal
@@ -25,7 +26,8 @@ from pfl_tasks.config import (
     PolynomialSource,
     SyntheticSource,
 )
-from pfl_tasks.errors import SourceError
+from pfl_tasks.data.schema import BOUNDED, bounded
+from pfl_tasks.errors import SourceError, listing
 
 Task = Literal["classification", "regression"]
 
@@ -233,12 +235,19 @@ def mnist5k(cfg: MNIST5kSource, rng: np.random.Generator) -> RawDataset:
     return RawDataset(images, y.astype(np.int64), "classification", 10)
 
 
+SNIFF_BYTES = 1 << 20  # what is read of your own file to tell what it is, before it is parsed whole
+MAGIC = {".parquet": b"PAR1", ".npz": b"PK\x03\x04"}
+MISSING = "missing (empty, NA, n/a or NaN)"  # what pandas reads as NaN
+
+
 @source("file")
 def file(cfg: FileSource, rng: np.random.Generator) -> RawDataset:
     """The user's own features, labels and optional client ids, from one CSV, Parquet or .npz
-    file (`FileSource`); class labels of any kind are numbered in sorted order."""
+    file (`FileSource`); class labels of any kind are numbered in sorted order. Errors name the
+    file, its own columns and its lines (rows of a Parquet table or .npz, from 0)."""
     if not cfg.path.is_file():
         raise SourceError(f"{cfg.path}: no such file (datasets.<name>.source.path, relative to the project root)")
+    _sniff(cfg.path)
     columns = _npz_arrays(cfg) if cfg.path.suffix == ".npz" else _table_columns(cfg)
     features, labels = columns["features"], columns["labels"]
     if features.ndim < 2 or len(labels) != len(features) or labels.ndim != 1:
@@ -246,17 +255,74 @@ def file(cfg: FileSource, rng: np.random.Generator) -> RawDataset:
                           "are not [n, ...] and [n]")
     if not np.issubdtype(features.dtype, np.number):
         raise SourceError(f"{cfg.path}: features are {features.dtype}, not numbers")
+    if cfg.task == "regression" and not np.issubdtype(labels.dtype, np.number):
+        raise SourceError(f"{cfg.path}: label '{cfg.label}' is {labels.dtype}: regression needs numbers")
+    _refuse_bad_values(cfg, columns)
     if cfg.task == "classification":
         classes, labels = np.unique(labels, return_inverse=True)
         n_classes = len(classes)
         if n_classes < 2:
             raise SourceError(f"{cfg.path}: label '{cfg.label}' has {n_classes} class; classification needs 2 or more")
+        if n_classes > max(2, len(labels) // 2):
+            raise SourceError(f"{cfg.path}: label '{cfg.label}' has {n_classes:,} distinct values in {len(labels):,} "
+                              "rows, too many to be classes: is the task regression? (source.task)")
         labels = labels.astype(np.int64)
     else:
-        if not np.issubdtype(labels.dtype, np.number):
-            raise SourceError(f"{cfg.path}: label '{cfg.label}' is {labels.dtype}: regression needs numbers")
         labels, n_classes = labels.astype(np.float32), 0
     return RawDataset(features.astype(np.float32), labels, cfg.task, n_classes, columns.get("groups"))
+
+
+def _sniff(path: Path) -> None:
+    """Refuse a file that is not what its extension says from its first SNIFF_BYTES: a Parquet
+    table or an .npz by its magic bytes, a CSV as UTF-8 text with a line break."""
+    with open(path, "rb") as fh:
+        head = fh.read(SNIFF_BYTES)
+    magic = MAGIC.get(path.suffix)
+    if magic is not None:
+        if not head.startswith(magic):
+            raise SourceError(f"{path}: not a {path.suffix[1:]} file (it does not begin with {magic!r})")
+        return
+    problem = ("NUL bytes" if b"\0" in head
+               else "no line break" if len(head) == SNIFF_BYTES and b"\n" not in head else None)
+    try:
+        head.decode("utf-8")
+    except UnicodeDecodeError as err:
+        if err.start < len(head) - 3:  # not a character cut at the end of the sniff
+            problem = problem or f"bytes that are not UTF-8 at position {err.start}"
+    if problem:
+        raise SourceError(f"{path}: not CSV text ({problem} in its first {min(len(head), SNIFF_BYTES):,} bytes)")
+
+
+def _refuse_bad_values(cfg: FileSource, columns: dict[str, np.ndarray]) -> None:
+    """Missing labels or client ids, and features or regression targets that are missing or not
+    bounded, in one line naming the file's column and the first of its lines that hold them."""
+    import pandas as pd
+
+    unit, first = ("line", 2) if cfg.path.suffix == ".csv" else ("row", 0)  # a CSV's line 1 is its header
+
+    def refuse(name: str, what: str, rows: np.ndarray) -> None:
+        raise SourceError(f"{cfg.path}: {name} {what} at {unit}{'s' if len(rows) > 1 else ''} "
+                          f"{listing(rows + first)}: fill, fix or drop those rows")
+
+    for key, name in (("labels", f"label '{cfg.label}'"), ("groups", f"client column '{cfg.client}'")):
+        if key in columns and pd.isna(columns[key]).any():
+            refuse(name, f"is {MISSING}", np.flatnonzero(pd.isna(columns[key])))
+    features = columns["features"]
+
+    def feature(j: int) -> str:
+        if "names" in columns:
+            return f"column '{columns['names'][j]}'"
+        return f"array '{(cfg.features or ['x'])[0]}' at {[int(i) for i in np.unravel_index(j, features.shape[1:])]}"
+
+    blocks = [(lambda j: f"label '{cfg.label}'", columns["labels"].reshape(-1, 1))] if cfg.task == "regression" else []
+    for name, values in [*blocks, (feature, features.reshape(len(features), -1))]:
+        bad = ~bounded(values)
+        if bad.any():
+            j = int(np.flatnonzero(bad.any(0))[0])
+            rows = np.flatnonzero(bad[:, j])
+            found = values[rows, j]
+            refuse(name(j), f"is {MISSING}" if np.isnan(found).all()
+                   else f"has {listing(found.tolist())}, not {BOUNDED},", rows)
 
 
 def _table_columns(cfg: FileSource) -> dict[str, np.ndarray]:
@@ -275,7 +341,7 @@ def _table_columns(cfg: FileSource) -> dict[str, np.ndarray]:
     if text:
         raise SourceError(f"{cfg.path}: feature column(s) {text[:5]} are not numeric: encode them, or name the "
                           "numeric ones in source.features")
-    out = {"features": features.to_numpy(), "labels": table[cfg.label].to_numpy()}
+    out = {"features": features.to_numpy(), "labels": table[cfg.label].to_numpy(), "names": list(features.columns)}
     if cfg.client:
         out["groups"] = table[cfg.client].to_numpy()
     return out
@@ -285,7 +351,7 @@ def _npz_arrays(cfg: FileSource) -> dict[str, np.ndarray]:
     try:
         with np.load(cfg.path, allow_pickle=False) as npz:
             arrays = {key: npz[key] for key in npz.files}
-    except (OSError, ValueError) as err:
+    except (OSError, ValueError, zipfile.BadZipFile) as err:
         raise SourceError(f"{cfg.path}: not a readable .npz ({err})") from None
     names = {"features": (cfg.features or ["x"])[0], "labels": cfg.label,
              **({"groups": cfg.client} if cfg.client else {})}
