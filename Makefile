@@ -23,7 +23,7 @@ $(VENV)/.installed: requirements.txt requirements.lock
 run: venv  # dvc.yaml from params.yaml, then dvc repro with one Prefect server (UI URL printed)
 	$(BIN)/python -m flows.repro
 
-quick: venv  # the one-minute quickstart: params-quick.yaml end to end, its outputs in quickstart/
+quick: venv  # the quickstart (about 50 s): params-quick.yaml end to end, its outputs in quickstart/
 	$(BIN)/python -m flows.pipeline --params params-quick.yaml --root quickstart
 
 ray: $(VENV)/.ray-installed  # the optional Ray task runner

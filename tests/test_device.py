@@ -91,7 +91,7 @@ def test_client_stacks_on_the_gpu_are_refused_with_ray():
 
 
 def test_ray_chunks_ask_for_the_gpu_only_on_a_cuda_engine(monkeypatch):
-    import ray  # `make test` installs it (README, Tests: what may skip)
+    import ray  # `make test` installs it (docs/engine.md, "What the tests cover")
 
     from flows.prefect_rounds import ray_options
 

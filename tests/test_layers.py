@@ -1,4 +1,4 @@
-"""The library's layers (README, "Layout"): each module imports only from its own layer or
+"""The library's layers (docs/engine.md, "Layout"): each module imports only from its own layer or
 the ones below, no import circle anywhere, and algorithms use the trainer's public surface only."""
 
 import ast
