@@ -30,7 +30,8 @@ def arguments() -> argparse.ArgumentParser:
 
 if __name__ == "__main__":  # --help and a command-line error answer before Prefect and MLflow load, which read their settings then
     local_defaults()
-    pin_numerics_first("compare", arguments().parse_args().params)  # numpy's code paths too
+    first = arguments().parse_args()
+    pin_numerics_first("compare", first.params, first.experiments, stored=True)  # numpy's code paths too
 
 from flows.stage import stage_main
 from pfl_tasks.config import load_params

@@ -30,9 +30,19 @@ def arguments() -> argparse.ArgumentParser:
     return parser
 
 
+def refuse_other_params(params_path: str) -> None:
+    """dvc.yaml's stages read `params.yaml` in their root, which is what DVC experiments vary
+    (`dvc exp run -S`): another params file is refused in one line naming the route that runs it."""
+    if Path(params_path).name != "params.yaml":
+        print(f"stages failed: dvc.yaml's stages (and `dvc exp`) run params.yaml, not {params_path}: run that file "
+              f"with `python -m flows.pipeline --params {params_path}`, or copy its sections into params.yaml",
+              file=sys.stderr)
+        sys.exit(2)
+
+
 if __name__ == "__main__":  # --help and a command-line error answer before Prefect and MLflow load, which read their settings then
     local_defaults()
-    arguments().parse_args()
+    refuse_other_params(arguments().parse_args().params)
 
 from flows.learn2pfed import learn2pfed_code
 from flows.stage import stage_main, stage_name
@@ -106,6 +116,15 @@ def learn2pfed_stage(params, experiment: str) -> dict:
     }
 
 
+def prepare_keys(raw: dict, dataset: str) -> list[str]:
+    """The params keys a dataset's partitions depend on: the dataset's entry, and the seeds of the
+    experiments that train on it (one partition per seed; the global `seed` where one lists
+    none), so that another dataset's experiment stales nothing of it."""
+    users = [name for name, entry in raw["experiments"].items() if entry["dataset"] == dataset]
+    seeds = [f"experiments.{name}.seeds" for name in users if "seeds" in raw["experiments"][name]]
+    return ["seed", f"datasets.{dataset}", *(f"experiments.{name}.dataset" for name in users), *seeds]
+
+
 def own_data(source) -> list[str]:
     """A `file` source's file: the prepare stage reruns when the data changes."""
     return [source.path.as_posix()] if source.name == "file" else []
@@ -138,7 +157,7 @@ def stages(params_path: str = "params.yaml") -> dict:
             "cmd": f"python -m flows.prepare {dataset}",
             "deps": ["flows/prepare.py", *map(str, run_code(ROOT / "pfl_tasks/data/__init__.py")),
                      *own_data(params.datasets[dataset].source)],
-            "params": ["seed", f"datasets.{dataset}", "experiments"],  # their seeds: one partition per seed
+            "params": prepare_keys(raw, dataset),
             "outs": [f"data/partitions/{dataset}"],
         }
     for experiment in params.tuning:
@@ -179,6 +198,7 @@ def write_dvc_yaml(params_path: str = "params.yaml", out: Path = Path("dvc.yaml"
 
 def main(argv: list[str] | None = None) -> int:
     args = arguments().parse_args(argv)
+    refuse_other_params(args.params)
 
     def work() -> None:
         out = Path(args.out)

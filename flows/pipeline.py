@@ -36,7 +36,8 @@ def arguments() -> argparse.ArgumentParser:
 
 if __name__ == "__main__":  # --help and a command-line error answer before Prefect and MLflow load, which read their settings then
     local_defaults()
-    pin_numerics_first("pipeline", arguments().parse_args().params)
+    first = arguments().parse_args()
+    pin_numerics_first("pipeline", first.params, first.experiments)
 
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
@@ -76,9 +77,11 @@ def repro_flow(targets: list[str] | None = None, root: str = ".") -> None:
 def checked_params(params_path: str, experiments: list[str] | None) -> tuple[Params, list[str]]:
     """The validated params and the experiments to run (default: all); a ConfigError names the key."""
     params = validate_params(load_params(params_path))
-    unknown = sorted(set(experiments or []) - set(params.experiments))
-    if unknown:
-        raise ConfigError(f"{params_path}: no experiment(s) {unknown} (have: {sorted(params.experiments)})")
+    for experiment in experiments or []:
+        try:
+            params.experiment(experiment)
+        except ConfigError as err:
+            raise ConfigError(f"{params_path}: {err}") from None
     return params, experiments or list(params.experiments)
 
 

@@ -10,13 +10,14 @@ Prefect's when it orchestrates)."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import sys
 
-from pfl_tasks.config import load_params
+from pfl_tasks.config import load_params, unknown
 from pfl_tasks.errors import ConfigError
 from pfl_tasks.numerics import pin
-from pfl_tasks.store_process import start as start_store_process
+from pfl_tasks.store_process import sqlite_path, start as start_store_process
 from pfl_tasks.tracking import tracking_uri
 
 
@@ -37,11 +38,78 @@ def check_params_first(stage: str, params_path: str, experiment: str) -> None:
         sys.exit(2)
 
 
-def pin_numerics_first(stage: str, params_path: str) -> None:
-    """For an entry point that loads torch before it reads its params: pin `engine.numerics`
-    from the params file first, or exit 2 with the one line."""
+def pin_numerics_first(stage: str, params_path: str, experiments=(), datasets=(), stored: bool = False) -> None:
+    """For an entry point that loads torch, Prefect or MLflow before it reads its params: pin
+    `engine.numerics` from the params file first, and check the names the command line gives
+    (`experiments`: configured, or with `stored` held by the sqlite store; `datasets`) and the
+    files of your own data they train on, or exit 2 with the one line."""
     try:
-        pin(load_params(params_path).engine.numerics)
+        params = load_params(params_path)
+        pin(params.engine.numerics)
+        check_names(params, params_path, experiments, datasets, stored)
+    except ConfigError as err:
+        print(f"{stage} failed: {err}", file=sys.stderr)
+        sys.exit(2)
+
+
+def check_names(params, params_path: str, experiments, datasets, stored: bool) -> None:
+    """A ConfigError naming the first unknown experiment or dataset (the closest name, all of
+    them), or a missing file of your own data among the datasets they use."""
+    have = set(params.experiments) | (set(stored_experiments(params)) if stored else set())
+    for experiment in experiments:
+        if experiment not in have:
+            raise ConfigError(f"{params_path}: {unknown('experiment', experiment, have)}")
+    for dataset in datasets:
+        if dataset not in params.datasets:
+            raise ConfigError(f"{params_path}: {unknown('dataset', dataset, params.datasets)}")
+    used = {*datasets, *(params.experiments[e].dataset for e in experiments if e in params.experiments)}
+    for dataset in sorted(used or {e.dataset for e in params.experiments.values()}):
+        source = params.datasets[dataset].source
+        if source.name == "file" and not source.path.is_file():
+            raise ConfigError(f"{params_path}: datasets.{dataset}.source.path: {source.path}: no such file "
+                              "(relative to the project root)")
+
+
+def stored_experiments(params) -> list[str]:
+    """The experiment names a sqlite store holds, read with sqlite3 (MLflow's import takes
+    seconds); none for a store that is not there, or not sqlite."""
+    import sqlite3
+
+    path = sqlite_path(tracking_uri(params.tracking.mlflow_uri))
+    if path is None or not path.is_file():
+        return []
+    try:
+        with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=5)) as store:
+            return [name for (name,) in store.execute("SELECT name FROM experiments")]
+    except sqlite3.Error:
+        return []  # unreadable: the stage's own check of the store says so
+
+
+def registered_algorithms() -> set[str]:
+    """The names of the algorithms `pfl_tasks.algorithms` registers, read from their modules'
+    source (a class under `@register` with a `name = "..."`): importing them loads torch (1-2 s)."""
+    import ast
+    from pathlib import Path
+
+    names = set()
+    for module in (Path(__file__).resolve().parents[1] / "pfl_tasks" / "algorithms").glob("*.py"):
+        for node in ast.walk(ast.parse(module.read_text())):
+            if isinstance(node, ast.ClassDef) and any(getattr(d, "id", None) == "register" for d in node.decorator_list):
+                names |= {item.value.value for item in node.body if isinstance(item, ast.Assign)
+                          and [getattr(t, "id", None) for t in item.targets] == ["name"]
+                          and isinstance(item.value, ast.Constant)}
+    return names
+
+
+def check_runs_first(stage: str, params_path: str, runs) -> None:
+    """Each of `runs` (a sweep's --algorithms) names an algorithm, by itself or through its entry
+    under `algorithms`, or exit 2 with the one line."""
+    try:
+        params = load_params(params_path)
+        known = registered_algorithms()
+        for run in runs:
+            if (params.algorithms.get(run) or {}).get("algorithm", run) not in known:
+                raise ConfigError(f"--algorithms: {unknown('algorithm', run, known | set(params.algorithms))}")
     except ConfigError as err:
         print(f"{stage} failed: {err}", file=sys.stderr)
         sys.exit(2)

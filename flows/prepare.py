@@ -28,10 +28,11 @@ def arguments() -> argparse.ArgumentParser:
 
 if __name__ == "__main__":  # --help and a command-line error answer before Prefect and MLflow load, which read their settings then
     local_defaults()
-    pin_numerics_first("prepare", arguments().parse_args().params)  # numpy's code paths too
+    first = arguments().parse_args()
+    pin_numerics_first("prepare", first.params, datasets=[first.dataset])  # numpy's code paths too
 
 from flows.stage import stage_main
-from pfl_tasks.config import load_params
+from pfl_tasks.config import load_params, unknown
 from pfl_tasks.data import PARTITIONS, build_partition, write_partition
 from pfl_tasks.errors import ConfigError, OutputLockedError
 from pfl_tasks.files import OutputLock
@@ -41,7 +42,7 @@ def prepare(dataset: str, params_path: str = "params.yaml", out_root: Path = PAR
     """The dataset's folder, holding exactly the partitions of its seeds."""
     params = load_params(params_path)
     if dataset not in params.datasets:
-        raise ConfigError(f"unknown dataset '{dataset}'; params.yaml has {sorted(params.datasets)}")
+        raise ConfigError(f"{params_path}: {unknown('dataset', dataset, params.datasets)}")
     folder = Path(out_root) / dataset
     seeds = params.partition_seeds(dataset)
     for seed in seeds:

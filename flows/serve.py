@@ -24,6 +24,7 @@ if __name__ == "__main__":  # before Prefect and MLflow load: they read their se
     local_defaults()
 
 from pfl_tasks.config import SweepConfig
+from pfl_tasks.errors import ConfigError
 
 # the default run's benchmark, a short one: what "Custom run" starts from in the UI
 DEFAULT_SWEEP = SweepConfig(name="mnist-sweep", experiment="mnist", algorithms=["fedavg", "ditto", "fedrep"],
@@ -40,8 +41,28 @@ def arguments() -> argparse.ArgumentParser:
     return parser
 
 
+def sweep_option(text: str) -> SweepConfig:
+    """--sweep's JSON as a SweepConfig; a ConfigError in one line naming its first problem."""
+    from pydantic import ValidationError
+
+    try:
+        return SweepConfig.model_validate_json(text)
+    except ValidationError as err:
+        first = err.errors()[0]
+        where = ".".join(map(str, first["loc"]))
+        raise ConfigError(f"--sweep{f' {where}' if where else ''}: {first['msg']} (the sweep's JSON, e.g. "
+                          f"{DEFAULT_SWEEP.model_dump_json(exclude_defaults=True)})") from None
+
+
 if __name__ == "__main__":  # --help and a command-line error answer before Prefect and MLflow load
-    arguments().parse_args()
+    first = arguments().parse_args()
+    try:
+        sweep = sweep_option(first.sweep)
+    except ConfigError as err:
+        print(f"serve failed: {err}", file=sys.stderr)
+        sys.exit(2)
+    pin_numerics_first("serve", sweep.params_path, [sweep.experiment])
+    pin_numerics_first("serve", first.params_file)
     # its flow runs inherit these: params.yaml's, which the nightly dvc repro computes under
     pin_numerics_first("serve", "params.yaml")
 
@@ -50,7 +71,6 @@ from flows.stage import check_prefect_api
 from flows.sweep import checked_sweep_params, sweep_flow
 from pfl_tasks.algorithms import validate_params
 from pfl_tasks.config import load_params
-from pfl_tasks.errors import ConfigError
 
 
 def deployments(cron: str, sweep: SweepConfig, sweep_cron: str | None, params_file: str) -> dict:
@@ -73,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = arguments().parse_args(argv)
     try:
-        chosen = deployments(args.cron, SweepConfig.model_validate_json(args.sweep), args.sweep_cron, args.params_file)
+        chosen = deployments(args.cron, sweep_option(args.sweep), args.sweep_cron, args.params_file)
         check_prefect_api()
     except (ValueError, ConfigError) as err:
         print(f"serve failed: {err}", file=sys.stderr)

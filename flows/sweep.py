@@ -9,7 +9,7 @@ options or as JSON:
     python -m flows.sweep mnist --algorithms fedavg ditto --set local.optimizer.lr=0.1,0.2 --name lr
     python -m flows.sweep mnist --algorithms fedavg --seeds 7 8      # runs the params file does not configure
     python -m flows.sweep mnist --algorithms fedavg ditto --set local.optimizer.lr=0.1,0.3,1 \
-        --set algorithms.ditto.mu=0.1,1 --per-method   # each method's best point on validation
+        --set algorithms.ditto.mu=0.1,1 --per-method   # each method's best point on validation (~5 min)
     python -m flows.sweep '{"name": "lr", "experiment": "mnist", "algorithms": ["fedavg", "ditto"],
                             "overrides": {"federation.rounds": 50}, "grid": {"local.optimizer.lr": [0.1, 0.2]}}'
 """
@@ -24,7 +24,7 @@ import tempfile
 from pathlib import Path
 
 from flows.environment import local_defaults
-from flows.precheck import pin_numerics_first
+from flows.precheck import check_runs_first, pin_numerics_first
 
 def arguments() -> argparse.ArgumentParser:
     """The command line of a sweep given by options (the other form is one JSON argument)."""
@@ -48,8 +48,10 @@ if __name__ == "__main__":  # --help and command-line errors answer first; then 
     local_defaults()
     as_json = len(sys.argv) == 2 and sys.argv[1].startswith("{")
     with contextlib.suppress(ValueError, AttributeError):  # a bad JSON sweep is refused by main, in one line
-        pin_numerics_first("sweep", json.loads(sys.argv[1]).get("params_path", "params.yaml") if as_json
-                           else arguments().parse_args().params)
+        first = json.loads(sys.argv[1]) if as_json else vars(arguments().parse_args())
+        params_path = first.get("params_path" if as_json else "params", "params.yaml")
+        pin_numerics_first("sweep", params_path, [first["experiment"]])
+        check_runs_first("sweep", params_path, first.get("algorithms") or [])
 
 import yaml
 from prefect import flow
@@ -96,9 +98,29 @@ def sweep_flow(sweep: SweepConfig, root: str = ".") -> dict:
         for method, (experiment, r) in best.items():
             print(f"sweep {sweep.name}: {method}: best on validation {r.method} in {experiment} ({r.val:.4f}); "
                   f"its test {interval(r.personalized)}")
-        results["per_method"] = {method: {"experiment": e, "variant": r.method, "val": r.val}
-                                 for method, (e, r) in best.items()}
+        results["per_method"] = write_per_method(root, sweep.name, best)
     return results
+
+
+PER_METHOD = "per_method"  # a sweep's per-method choices: <its folder>/per_method.{json,md}
+
+
+def write_per_method(root: Path, name: str, best: dict[str, tuple]) -> dict[str, dict]:
+    """Each method's variant best on validation (`best_per_method`), as `per_method.json` and a
+    table `per_method.md` in the sweep's folder: what `--per-method` chose, kept beside its runs."""
+    chosen = {method: {"experiment": e, "variant": r.method, "val": r.val,
+                       "test": dict(zip(("mean", "ci_low", "ci_high"), r.personalized))}
+              for method, (e, r) in best.items()}
+    atomic_write_text(root / f"{PER_METHOD}.json", json.dumps(chosen, indent=1))
+    atomic_write_text(root / f"{PER_METHOD}.md", "\n".join([
+        f"# {name}: each method at its variant best on validation (`--per-method`)", "",
+        "Chosen on the validation metric at each run's selected round, never on test; the test column is what "
+        "that choice scores.", "",
+        "| method | chosen variant | experiment | validation | test (95% CI) |", "|---|---|---|---|---|",
+        *(f"| {method} | {c['variant']} | {c['experiment']} | {c['val']:.4f} | {interval(tuple(c['test'].values()))} |"
+          for method, c in chosen.items())]) + "\n")
+    print(f"sweep {name}: per-method choices: {root / PER_METHOD}.json, {root / PER_METHOD}.md")
+    return chosen
 
 
 def swept_runs(sweep: SweepConfig) -> list[str]:

@@ -583,7 +583,7 @@ class Params(Strict):
 
     def experiment(self, name: str) -> ResolvedExperiment:
         if name not in self.experiments:
-            raise ConfigError(f"unknown experiment '{name}'; have: {sorted(self.experiments)}")
+            raise ConfigError(unknown("experiment", name, self.experiments))
         exp = self.experiments[name]
         sections = {key: _section(model, base.model_dump(exclude_unset=True), getattr(exp, key),
                                   f"experiments.{name}.{key}")
@@ -746,6 +746,10 @@ def read_params(path: str | Path) -> dict:
     """The raw params file, unvalidated; one over MAX_PARAMS_BYTES is refused unread."""
     try:
         text = snapshot_read(path)
+    except FileNotFoundError:
+        here = sorted(p.name for p in Path(path).parent.glob("params*.yaml"))
+        raise ConfigError(f"{path}: no such params file (params files in {Path(path).parent}: "
+                          f"{', '.join(here) or 'none'})") from None
     except OSError as err:
         raise ConfigError(f"cannot read {path}: {err}") from None
     if len(text) > MAX_PARAMS_BYTES:
@@ -772,6 +776,14 @@ def _yaml_problem(err: yaml.YAMLError) -> str:
     return where + " ".join(str(getattr(err, "problem", None) or err).split())
 
 
+def unknown(kind: str, name: str, have) -> str:
+    """An unknown name's error: the closest of the names that exist, and all of them."""
+    import difflib
+
+    close = difflib.get_close_matches(str(name), [str(h) for h in have], n=1)
+    return f"unknown {kind} '{name}'{f' (did you mean {close[0]!r}?)' if close else ''}; have: {sorted(have)}"
+
+
 def load_params(path: str | Path = "params.yaml") -> Params:
     path = Path(path)
     data = read_params(path)
@@ -779,6 +791,14 @@ def load_params(path: str | Path = "params.yaml") -> Params:
         return parse_params(data)
     except ConfigError as err:
         raise ConfigError(f"{path}: {err}") from None
+
+
+def setting_hash(config: dict) -> str:
+    """A run's configuration (`config_hash`'s dict) without what differs between the seeds of one
+    setting (the seed, its partition's data, the upstream run) and the code: the MLflow tag
+    `setting_hash`, which groups a setting's seeds apart from every other setting's runs."""
+    return config_hash({**{key: value for key, value in config.items() if key not in ("data", "code", "upstream")},
+                        "experiment": {key: value for key, value in config["experiment"].items() if key != "seed"}})
 
 
 def config_hash(config: BaseModel | dict) -> str:

@@ -129,3 +129,51 @@ def test_importing_a_flow_changes_no_environment_and_each_entry_point_sets_its_d
                                                               "from flows.stage ", "import psutil", "from flows.pipeline")
                           if text.find(f"\n{word}") > 0)
         assert 0 < text.find("    local_defaults()") < first_heavy, f"flows/{name}.py sets its defaults late"
+
+
+CONFIG_ERRORS = {  # an entry point's config error, and the hint it gives
+    "pipeline": (["flows.pipeline", "tinny"], "unknown experiment 'tinny' (did you mean 'tiny'?); have: ['tiny']"),
+    "compare": (["flows.compare", "tinny"], "unknown experiment 'tinny' (did you mean 'tiny'?)"),
+    "prepare": (["flows.prepare", "digit"], "unknown dataset 'digit' (did you mean 'digits'?); have: ['digits']"),
+    "sweep, experiment": (["flows.sweep", "tinny"], "unknown experiment 'tinny' (did you mean 'tiny'?)"),
+    "sweep, algorithm": (["flows.sweep", "tiny", "--algorithms", "fedavgg"],
+                         "--algorithms: unknown algorithm 'fedavgg' (did you mean 'fedavg'?)"),
+    "serve": (["flows.serve", "--sweep", "{"], "--sweep: Invalid JSON"),
+    "tables": (["flows.tables", "--params", "param.yaml"], "param.yaml: no such params file (params files in .: params.yaml)"),
+    "tune": (["flows.tune", "tinny"], "unknown experiment 'tinny' (did you mean 'tiny'?)"),
+    "learn2pfed": (["flows.learn2pfed", "tinny"], "unknown experiment 'tinny' (did you mean 'tiny'?)"),
+    "train": (["flows.train", "tiny", "--params", "param.yaml"], "param.yaml: no such params file"),
+}
+
+
+@pytest.mark.parametrize("command, hint", CONFIG_ERRORS.values(), ids=CONFIG_ERRORS.keys())
+def test_every_entry_points_config_error_gives_its_fix_before_the_heavy_imports(tmp_path, command, hint):
+    """A misspelled name or a wrong params path: one line with the names (or files) that exist and
+    the closest one, before Prefect, MLflow or torch load (so within a second: `make bench` times it)."""
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(bad_params()))
+    env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI", "DVC_ROOT")}
+    proc = subprocess.run([sys.executable, "-X", "importtime", "-m", *command], cwd=tmp_path, capture_output=True,
+                          text=True, env={**env, "PYTHONPATH": str(REPO)}, timeout=300)
+    imported = {line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
+    said = [line for line in proc.stderr.splitlines() if not line.startswith("import time:")]
+    assert proc.returncode == 2 and len(said) == 1 and hint in said[0], proc.stderr[-2000:]
+    assert not {"prefect", "mlflow", "torch"} & imported
+
+
+def test_the_precheck_reads_the_registered_algorithms_from_their_source():
+    import pfl_tasks.algorithms  # noqa: F401  (registers them)
+    from flows.precheck import registered_algorithms
+    from pfl_tasks.algorithms.registry import ALGORITHMS
+
+    assert registered_algorithms() == set(ALGORITHMS)
+
+
+def test_dvc_yaml_refuses_another_params_file_naming_the_route_that_runs_it(tmp_path):
+    """dvc.yaml's stages read params.yaml: written from another file they would run params.yaml's
+    values (and `dvc repro` then fails on its missing keys)."""
+    proc = subprocess.run([sys.executable, "-m", "flows.dvc_yaml", "--params", "params-quick.yaml"], cwd=REPO,
+                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.strip() == ("stages failed: dvc.yaml's stages (and `dvc exp`) run params.yaml, not "
+                                   "params-quick.yaml: run that file with `python -m flows.pipeline --params "
+                                   "params-quick.yaml`, or copy its sections into params.yaml")

@@ -100,3 +100,22 @@ def test_a_run_whose_hyper_parameters_are_not_all_listed_is_refused_with_their_d
     assert yaml.safe_load(path.read_text())["algorithms"]["fedcr"] == {"beta": 1e-4, "stochastic": True, "samples": 4,
                                                                         "clip_norm": 10.0}
     assert "algorithms.fedcr" in stages(str(path))["stages"]["train-e"]["params"]
+
+
+def test_a_prepare_stage_depends_on_its_datasets_keys_and_its_experiments_seeds_only(tmp_path):
+    """Adding an experiment on another dataset stales no prepare stage of the others; new seeds
+    of an experiment on the dataset do (one partition per seed)."""
+    params = {
+        "datasets": {"d": {"source": {"name": "digits"}}, "other": {"source": {"name": "digits"}}},
+        "experiments": {"e": {"dataset": "d", "model": {"kind": "linear"}, "algorithms": ["fedavg"], "seeds": [0, 1]},
+                        "f": {"dataset": "d", "model": {"kind": "linear"}, "algorithms": ["fedavg"]}},
+    }
+    path = tmp_path / "params.yaml"
+    path.write_text(yaml.safe_dump(listing_defaults(params)))
+    before = stages(str(path))["stages"]["prepare-d"]["params"]
+    assert before == ["seed", "datasets.d", "experiments.e.dataset", "experiments.f.dataset", "experiments.e.seeds"]
+    params["experiments"]["g"] = {"dataset": "other", "model": {"kind": "mlp"}, "algorithms": ["fedavg"]}
+    path.write_text(yaml.safe_dump(listing_defaults(params)))
+    after = stages(str(path))["stages"]
+    assert after["prepare-d"]["params"] == before
+    assert after["prepare-other"]["params"] == ["seed", "datasets.other", "experiments.g.dataset"]
