@@ -52,7 +52,7 @@ from pfl_tasks.algorithms.learn2pfed_meta import (
     HELD_OUT_HALF, client_metrics, costs, evaluate, make_optimizer, meta_step, padded_problem, participation,
     participation_table, personalized_models, split_validation, theta,
 )
-from pfl_tasks.config import Learn2pFedConfig, ResolvedExperiment, config_hash, load_params
+from pfl_tasks.config import Learn2pFedConfig, ResolvedExperiment, config_hash, load_params, setting_hash
 from pfl_tasks.data import FederatedData, load_partition, partition_dir
 from pfl_tasks.data.store import read_manifest
 from pfl_tasks.engine.checkpoint import load_checkpoint, save_checkpoint
@@ -243,7 +243,7 @@ def learn2pfed_flow(experiment: str, supervision: str, seed: int, params_path: s
         "supervision": supervision, "data": data_hash, "upstream": problems.upstream, "code": code_hash(learn2pfed_code(params, experiment)),
     }
     identity = {"experiment": exp.name, "algorithm": run_name, "config_hash": config_hash(config),
-                "config": json.dumps(config, sort_keys=True)}
+                "setting_hash": setting_hash(config), "config": json.dumps(config, sort_keys=True)}
 
     task_kind = task_of(problems)
 
@@ -272,7 +272,7 @@ def learn2pfed_flow(experiment: str, supervision: str, seed: int, params_path: s
                   flatten({"experiment": exp.model_dump(mode="json", exclude={"hyper"}),
                            "learn2pfed": cfg.model_dump(mode="json"), "supervision": supervision}),
                   run_tags(exp, task_kind, problems.partition, run_name, "learn2pfed", "Lv et al., arXiv:2401.08327",
-                           data_hash, identity["config_hash"], str(flow_run.id))
+                           data_hash, identity["config_hash"], identity["setting_hash"], str(flow_run.id))
                   | {"engine.torch_threads": str(torch.get_num_threads())}
                   | {f"platform.{key}": value for key, value in platform(exp.engine, torch.device("cpu")).items()}
                   | ({"validation_rows": HELD_OUT_HALF} if supervision == "val" else {}))

@@ -2,10 +2,11 @@
 
 Rows are methods (every algorithm of the `train` stage and Learn2pFed's runs), columns are
 experiments. The runs and every number come from the same place as the `compare` report
-(`pfl_tasks.reports`): per configured (method, seed) the newest finished run in MLflow; a cell
-is the personalized test metric at the round selected on validation, mean over clients and
-seeds [95% CI], marked ≈ when not significantly different from the column's best, † when
-the personalized model is the global one and ✓ on the column's best on validation; a method not
+(`pfl_tasks.reports`): per configured (method, seed) the run its metrics file in this workspace
+names, else the newest that finished or diverged (`RUNS_COUNTED`); a cell is the personalized
+test metric at the round selected on validation, mean over clients and seeds [95% CI], in bold
+for the column's best, marked ≈ when not significantly different from it, † when the
+personalized model is the global one and ✓ on the column's best on validation; a method not
 ranked says why ("diverged at round R", "too few rounds aggregated: A of R").
 Writes `reports/markdown/<table>.md`, the same table for a paper as `<table>.tex` (a booktabs
 tabular) and `<table>.csv` (long form, every number unrounded), and the DVC metrics `reports/tables/<table>/<method>.json`
@@ -42,8 +43,8 @@ from pfl_tasks.config import Params, TableConfig, VerdictConfig, load_params
 from pfl_tasks.errors import ConfigError
 from pfl_tasks.files import atomic_write_text
 from pfl_tasks.reports import (
-    cell, collect, configured_runs, interval, primary_metric, protocol_lines, results_store, summarize,
-    winner_on_validation, write_paper_table,
+    collect, column_cells, configured_runs, interval, primary_metric, protocol_lines, results_store, summarize,
+    write_paper_table,
 )
 from pfl_tasks.tracking import MlflowRun, flatten, tracking_uri
 
@@ -59,9 +60,7 @@ def build_table(client, params: Params, table: TableConfig, root: Path) -> dict[
     for experiment in table.experiments:
         newest = collect(client, experiment, configured_runs(params, experiment, root))
         metric = primary_metric(newest)
-        results = summarize(client, newest, metric, params.verdicts)
-        chosen = winner_on_validation(results)
-        columns[experiment] = {r.method: cell(r, metric, r is chosen) for r in results}
+        columns[experiment] = column_cells(summarize(client, newest, metric, params.verdicts), metric)
     found = {m for column in columns.values() for m in column}
     missing = sorted(set(table.methods or []) - found)
     if missing:
@@ -75,7 +74,8 @@ def _text(c: dict | None) -> str:
         return "–"
     if "status" in c:
         return c["status"]
-    return f"{interval((c['mean'], c['ci_low'], c['ci_high']))}{c['marks']}"
+    text = interval((c['mean'], c['ci_low'], c['ci_high']))
+    return f"{f'**{text}**' if c['best'] else text}{c['marks']}"
 
 
 def markdown(name: str, rows: dict[str, dict[str, dict]], columns: list[str], rule: VerdictConfig) -> str:
@@ -104,11 +104,19 @@ def write_dvc_table(folder: Path, rows: dict) -> None:
 
 
 def write_tables(params_path: str = "params.yaml", root: str = ".") -> list[Path]:
+    """Every table whose experiments all have runs; each other one is skipped with a line
+    naming what it lacks (a ComparisonError when no table can be built)."""
     params, root = load_params(params_path), Path(root)
     configured = {e for table in params.tables.values() for e in table.experiments} & set(params.experiments)
-    client, _ = results_store(tracking_uri(params.tracking.mlflow_uri), sorted(configured), params_path)
+    client, held = results_store(tracking_uri(params.tracking.mlflow_uri), sorted(configured), params_path,
+                                 every=False)
+    for name, table in params.tables.items():
+        lacking = [e for e in table.experiments if e not in held]
+        if lacking:
+            print(f"tables: {name} skipped: no runs of experiment(s) {lacking} yet (train them first)", file=sys.stderr)
     # every table built before any is written: an error leaves no partial outputs
-    tables = {name: build_table(client, params, table, root) for name, table in params.tables.items()}
+    tables = {name: build_table(client, params, table, root) for name, table in params.tables.items()
+              if set(table.experiments) <= set(held)}
     written = []
     for name, rows in tables.items():
         text = markdown(name, rows, params.tables[name].experiments, params.verdicts)

@@ -510,7 +510,8 @@ def protocol_lines(rule: VerdictConfig) -> list[str]:
     return [
         "Test accuracy (higher is better) or MSE (lower is better) of each client's personalized model at the "
         f"round selected on the clients' validation splits: {SELECTION_RULE}; mean over clients and seeds with a 95% CI (two-level bootstrap: seeds, then clients). "
-        f"≈: not significantly different from the best ({TEST_NAME}, α = {rule.alpha}). "
+        f"≈: not significantly different from the best ({TEST_NAME}, α = {rule.alpha}); in the tables for a paper "
+        "the best (rank 1 by the client mean) is in bold. "
         "†: the \"personalized\" model is the global model. "
         "✓: the best on validation (the same mean on the validation splits): what a sweep selects. "
         f"Diverged runs, and runs that aggregated fewer than {rule.min_aggregated:.0%} of their rounds (in the "
@@ -518,7 +519,15 @@ def protocol_lines(rule: VerdictConfig) -> list[str]:
         f"Verdict rules (`verdicts` in the params file): α = {rule.alpha}, min_aggregated = {rule.min_aggregated}, "
         f"plateau: window {rule.plateau.window} of the rounds, gain below {rule.plateau.acc} accuracy "
         f"or {rule.plateau.mse:.0%} of the MSE.",
+        RUNS_COUNTED,
     ]
+
+
+RUNS_COUNTED = (  # `configured_runs`, then `collect`
+    "Runs: per configured method and seed, the MLflow run that its metrics file in this workspace names "
+    "(metrics/<experiment>/<method>/seed-<seed>.json, as `dvc repro` or `dvc exp apply` left it); where there is "
+    "no such file, or the store does not hold that run finished, the newest run of that method and seed that "
+    "finished or diverged.")
 
 
 STATISTICS_NOTE = (
@@ -549,8 +558,7 @@ def markdown(experiment: str, metric: str, results: list[MethodResult], figures:
         f"{tolerance} on the {window} before. Rounds aggregated: per seed, the rounds in which a sampled client "
         "reported, of the rounds run. Compute: samples × forward-backward passes over all clients, the whole run (+ one "
         "evaluation's personalization; + tuning: every grid point the method was tuned over, below). Communication: "
-        "bytes up and down, the whole run. Runs: the newest "
-        f"finished or diverged run of each configured method and seed in MLflow experiment `{experiment}`.",
+        "bytes up and down, the whole run.",
         "",
         "| rank | method | seeds | validation | personalized, test (95% CI) | global, test (95% CI) "
         "| worst 10% of clients | selected rounds | rounds aggregated | plateaued | compute | + per evaluation "
@@ -674,25 +682,33 @@ def test_selected_lines(results: list[MethodResult]) -> list[str]:
 
 
 # ----------------------------------------------------------------------------- paper forms
-def cell(result: MethodResult, metric: str, chosen: bool) -> dict:
-    """A table cell of `result` (`flows.tables`, and the report's own .csv/.tex); `chosen`: the
-    column's best on validation."""
-    if not result.ranked:
-        return {"metric": metric, "status": unranked_note(result)}
-    point, low, high = result.personalized
-    return {"metric": metric, "mean": point, "ci_low": low, "ci_high": high, "seeds": len(result.seeds),
-            "not_worse_than_best": result.indistinguishable(), "global_only": result.global_only,
-            "best_on_validation": chosen, "marks": marks(result, chosen),
-            **({"weighted": result.weighted[0]} if result.weighted else {})}
+def column_cells(results: list[MethodResult], metric: str) -> dict[str, dict]:
+    """A table's column: method -> its cell (`flows.tables`, and the report's own .csv/.tex).
+    A ranked cell holds its rank by the client mean (1: the best, the reference of ≈) and
+    whether it is the column's best on validation (✓); an unranked one says why."""
+    chosen, rank = winner_on_validation(results), {r.method: i for i, r in enumerate(ordered(results), 1)}
+    cells = {}
+    for r in results:
+        if not r.ranked:
+            cells[r.method] = {"metric": metric, "status": unranked_note(r)}
+            continue
+        point, low, high = r.personalized
+        cells[r.method] = {"metric": metric, "rank": rank[r.method], "best": rank[r.method] == 1, "mean": point,
+                           "ci_low": low, "ci_high": high, "seeds": len(r.seeds),
+                           "not_worse_than_best": r.indistinguishable(), "global_only": r.global_only,
+                           "best_on_validation": r is chosen, "marks": marks(r, r is chosen),
+                           **({"weighted": r.weighted[0]} if r.weighted else {})}
+    return cells
 
 
-CSV_FIELDS = ("method", "experiment", "metric", "mean", "ci_low", "ci_high", "seeds", "weighted",
+CSV_FIELDS = ("method", "experiment", "metric", "rank", "best", "mean", "ci_low", "ci_high", "seeds", "weighted",
               "not_worse_than_best", "global_only", "best_on_validation", "status")
 
 
 def csv_rows(rows: dict[str, dict[str, dict]], columns: list[str]) -> list[dict]:
     """The table in long form, a row per (method, experiment), every number unrounded (for a
-    paper's own formatting or plots); `status` says why a cell is not ranked."""
+    paper's own formatting or plots): `rank` by the client mean and `best` (rank 1), which
+    `not_worse_than_best` (≈) is relative to; `status` says why a cell is not ranked."""
     return [{"method": method, "experiment": experiment,
              **{key: row[experiment].get(key, "") for key in CSV_FIELDS[2:]}}
             for method, row in rows.items() for experiment in columns if experiment in row]
@@ -703,8 +719,8 @@ LATEX_MARKS = {"≈": r"$^{\approx}$", "†": r"$^{\dagger}$", "✓": r"$^{\chec
 
 def latex(rows: dict[str, dict[str, dict]], columns: list[str], comment: str) -> str:
     """The table as a booktabs `tabular` (a paper's `\\input`) under a `% comment` line, rendered
-    and escaped by pandas' Styler: mean [95% CI] to 3 decimals with the markdown's marks; an
-    unranked cell says why in a footnote-sized line."""
+    and escaped by pandas' Styler: mean [95% CI] to 3 decimals with the markdown's marks, the
+    column's best in bold; an unranked cell says why in a footnote-sized line."""
 
     def text(c: dict | None) -> str:
         if c is None:
@@ -718,7 +734,9 @@ def latex(rows: dict[str, dict[str, dict]], columns: list[str], comment: str) ->
         for col in columns:
             cell = row.get(col) or {}
             marks = "".join(LATEX_MARKS.get(mark, "") for mark in cell.get("marks", ""))
-            wrap = (lambda v: r"{\footnotesize " + v + "}") if "status" in cell else (lambda v, m=marks: v + m)
+            bold = (lambda v: r"\textbf{" + v + "}") if cell.get("best") else (lambda v: v)
+            wrap = ((lambda v: r"{\footnotesize " + v + "}") if "status" in cell
+                    else (lambda v, m=marks, b=bold: b(v) + m))
             styler.format(wrap, subset=pd.IndexSlice[[i], [col]], escape="latex")
     body = styler.to_latex(hrules=True, column_format="l" + "c" * len(columns))
     return f"% {comment}\n{body}"
@@ -761,25 +779,36 @@ def seed_curve(client, run_ids: list[str], key: str) -> dict[int, tuple[float, f
     return {step: (statistics.fmean(values), min(values), max(values)) for step, values in sorted(by_step.items())}
 
 
-def _legend(fig, styles: dict[str, dict], notes: dict[str, list[str]]) -> None:
-    """One entry per method, in rank order, right of the panels; `notes` say whose lines hide its own."""
+GREYED = {"color": "0.72", "linestyle": "-", "marker": None, "linewidth": 0.9}  # a method outside the top group
+
+
+def _legend(fig, styles: dict[str, dict], notes: dict[str, list[str]], greyed: list[str]) -> None:
+    """One entry per method, in rank order, right of the panels, then one for the `greyed`;
+    `notes` say whose lines hide its own."""
     from matplotlib.lines import Line2D
 
     handles = [Line2D([], [], markersize=4, **style) for style in styles.values()]
     labels = [f"{m} ({'; '.join(notes[m])})" if m in notes else m for m in styles]
+    if greyed:
+        handles.append(Line2D([], [], **GREYED))
+        labels.append(f"outside the top group ({len(greyed)}):\n" + "\n".join(", ".join(greyed[i:i + 3])
+                                                                          for i in range(0, len(greyed), 3)))
     fig.legend(handles, labels, loc="outside right center", fontsize=8)
 
 
 def _two_panels(results: list[MethodResult], title: str, panels: dict[str, str], xlabel: str, ylabel: str,
-                lines, style):
+                lines, style, highlight: set[str] | None = None):
     """One figure of two panels (key -> title) sharing y, a line per ranked method in each with
     its seeds' min-max band; `lines(r, panel)` gives x -> (mean, min, max) over seeds and
     `style(ax)` sets up an x axis. A line equal to one already in its panel (FedAvg's global
     model, which is Ditto's too) is drawn once, for the method whose personalized model it is if
-    any, and the legend says so. None if no line was drawn."""
+    any, and the legend says so. With `highlight`, the other methods are thin grey lines under
+    them, without bands. None if no line was drawn."""
     plt = _pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.5), sharey=True, layout="constrained")
     styles = method_styles(results)
+    if highlight is not None:
+        styles = {m: style if m in highlight else GREYED for m, style in styles.items()}
     owners_first = sorted((r for r in results if r.ranked), key=lambda r: not r.global_only)
     listed, notes = set(), {}
     for ax, (panel, panel_title) in zip(axes, panels.items()):
@@ -796,8 +825,9 @@ def _two_panels(results: list[MethodResult], title: str, panels: dict[str, str],
             owner_of[key] = r.method
             x = list(points)
             mean, low, high = zip(*points.values())
-            ax.plot(x, mean, markersize=4, label=r.method, **styles[r.method])
-            if len(r.run_ids) > 1:
+            greyed = styles[r.method] is GREYED
+            ax.plot(x, mean, markersize=4, label=r.method, zorder=1 if greyed else 2, **styles[r.method])
+            if len(r.run_ids) > 1 and not greyed:
                 ax.fill_between(x, low, high, color=styles[r.method]["color"], alpha=0.15, linewidth=0)
         ax.set_title(panel_title)
         ax.grid(alpha=0.3)
@@ -808,20 +838,36 @@ def _two_panels(results: list[MethodResult], title: str, panels: dict[str, str],
     axes[0].set_ylabel(ylabel)
     fig.supxlabel(xlabel, fontsize="medium")  # one label under both panels
     fig.suptitle(title)
-    _legend(fig, {m: s for m, s in styles.items() if m in listed}, notes)
+    _legend(fig, {m: s for m, s in styles.items() if m in listed and s is not GREYED}, notes,
+            [m for m, s in styles.items() if m in listed and s is GREYED])
     return fig
 
 
 def curves_figure(client, results: list[MethodResult], metric: str, title: str):
-    """Personalized and global test metric per round, one line per ranked method."""
+    """Personalized and global test metric against the share of each method's own rounds (so
+    that a method of ten times the rounds, L2SGD's, spans the axis as the others do), one line
+    per ranked method: the top group (the best by the client mean and the methods ≈ to it) in
+    color, the others in grey."""
+    rounds: dict[str, int] = {}
+
     def lines(r, kind):
-        return seed_curve(client, r.run_ids, f"test/{kind}/{metric}_mean")
+        curve = seed_curve(client, r.run_ids, f"test/{kind}/{metric}_mean")
+        if curve:
+            rounds.setdefault(r.method, max(curve))
+        return {step / rounds[r.method]: value for step, value in curve.items()} if curve else {}
 
     def style(ax):
-        ax.xaxis.get_major_locator().set_params(integer=True)
+        ax.set_xlim(0, 1)
+        ax.xaxis.set_major_formatter(_pyplot().matplotlib.ticker.PercentFormatter(1.0))
 
-    return _two_panels(results, title, {"personalized": "personalized model", "global": "global model"},
-                       "round", f"test {metric}, mean over clients", lines, style)
+    top = {r.method for r in ordered(results)[:1]} | {r.method for r in results if r.ranked and r.indistinguishable()}
+    fig = _two_panels(results, title, {"personalized": "personalized model", "global": "global model"},
+                      "share of the method's rounds", f"test {metric}, mean over clients", lines, style, top)
+    if fig is not None:
+        usual = statistics.mode(rounds.values())
+        others = "".join(f"; {m}: {n}" for m, n in rounds.items() if n != usual)
+        fig.supxlabel(f"share of the method's rounds ({usual} rounds{others})", fontsize="medium")
+    return fig
 
 
 def compute_figure(client, results: list[MethodResult], metric: str, title: str):
@@ -947,7 +993,6 @@ def write_report(client, experiment: str, report_dir: Path, figure_dir: Path,
             save_figure(fig, png)
             figures[caption] = Path(os.path.relpath(png, report_dir)).as_posix()
     atomic_write_text(report_dir / f"{experiment}.md", markdown(experiment, metric, results, figures, tuning, downstream, rule))
-    chosen = winner_on_validation(results)
-    write_paper_table(report_dir / experiment, {r.method: {experiment: cell(r, metric, r is chosen)} for r in results},
+    write_paper_table(report_dir / experiment, {m: {experiment: c} for m, c in column_cells(results, metric).items()},
                       [experiment], f"{experiment}: written by `python -m flows.compare` (its .md says how to read it)")
     return results

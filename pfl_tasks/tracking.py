@@ -31,13 +31,17 @@ def git_commit() -> str:
 
 
 def run_tags(exp, task: str, partition: str, run_name: str, algorithm_class: str, citation: str, data_hash: str,
-             config_hash: str, flow_run_id: str) -> dict[str, str]:
+             config_hash: str, setting_hash: str, flow_run_id: str) -> dict[str, str]:
     """The MLflow tags a comparison filters and groups by: `algorithm` the registered algorithm
-    (`ditto`), `variant` the run name it was configured under (`ditto`, a grid's `ditto_mu1`)."""
+    (`ditto`), `variant` the run name it was configured under (`ditto`, a grid's `ditto_mu1`),
+    `setting_hash` its configuration but the seed (`config.setting_hash`): the seeds of one
+    setting share it, and runs of another setting under the same variant name (after `dvc exp
+    run -S algorithms.ditto.mu=1`) do not."""
     return {
         "experiment": exp.name, "dataset": exp.dataset, "partition": partition, "model": exp.model.kind, "task": task,
         "algorithm": algorithm_class, "variant": run_name, "citation": citation, "seed": str(exp.seed),
         "git_commit": git_commit(), "data_hash": data_hash, "config_hash": config_hash,
+        "setting_hash": setting_hash,
         # the DVC experiment that ran it (`dvc exp run`; "workspace" for dvc repro or a shell)
         "dvc_experiment": os.environ.get("DVC_EXP_NAME", "workspace"),
         "dvc_baseline": os.environ.get("DVC_EXP_BASELINE_REV", git_commit()),

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from pfl_tasks.algorithms import build, hyper_parameters, source_file
-from pfl_tasks.config import ResolvedExperiment, TrackingConfig, config_hash
+from pfl_tasks.config import ResolvedExperiment, TrackingConfig, config_hash, setting_hash
 from pfl_tasks.data import FederatedData, load_partition, partition_dir
 from pfl_tasks.data.store import read_manifest
 from pfl_tasks.engine.checkpoint import load_checkpoint
@@ -49,11 +49,13 @@ def run_identity(exp: ResolvedExperiment, run_name: str, raw_hp: dict, data_hash
         "data": data_hash,
         "code": code_hash(numeric_code(source_file(run_name, raw_hp))),
     }
+    setting = setting_hash(config)  # its rounds included: another budget is another setting
     config["experiment"]["federation"].pop("rounds")
     return {
         "experiment": exp.name,
         "algorithm": run_name,
         "config_hash": config_hash(config),
+        "setting_hash": setting,
         "config": json.dumps(config, sort_keys=True),
         "platform": describe(platform(exp.engine, resolve_device(exp.engine.device))),
     }
@@ -156,7 +158,7 @@ def train_run(
         run.track(exp.name, flatten({"experiment": exp.model_dump(mode="json", exclude={"hyper", "run_overrides"}),
                                      "algorithm": hyper_parameters(run_name, raw_hp)}),
                   {**run_tags(exp, data.task, data.partition, run_name, fed.algorithm.name, fed.algorithm.citation,
-                              data.manifest_hash, identity["config_hash"], flow_run_id),
+                              data.manifest_hash, identity["config_hash"], identity["setting_hash"], flow_run_id),
                    **{f"platform.{key}": value for key, value in fed.platform.items()},
                    "engine.torch_threads": str(torch_threads(exp.engine)), **tracking.tags})
         run.log(history)  # what a failed MLflow write left unlogged

@@ -153,7 +153,7 @@ def test_a_variants_runs_are_tagged_with_its_algorithm_and_its_run_name():
     from pfl_tasks.tracking import run_tags
 
     exp = parse_params(tiny_params()).experiment("tiny")
-    tags = run_tags(exp, "classification", "p", "ditto_mu1", "ditto", "Li et al., ICML 2021", "d", "h", "f")
+    tags = run_tags(exp, "classification", "p", "ditto_mu1", "ditto", "Li et al., ICML 2021", "d", "h", "s", "f")
     assert tags["algorithm"] == "ditto" and tags["variant"] == "ditto_mu1"
 
 

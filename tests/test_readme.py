@@ -47,7 +47,7 @@ def store(tmp_path_factory) -> str:
     exp = parse_params(tiny_params()).experiment("tiny").model_copy(update={"name": "mnist"})
     for run_name, raw, acc in RUNS:
         run = MlflowRun(uri, "mnist", f"{run_name}-seed0", None)
-        tags = run_tags(exp, "classification", "p", run_name, build(run_name, raw).name, "c", "d", "h", "")
+        tags = run_tags(exp, "classification", "p", run_name, build(run_name, raw).name, "c", "d", "h", "s", "")
         run.log_params_and_tags(flatten({"algorithm": hyper_parameters(run_name, raw)}), tags)
         run.log_metrics({"selected/test/personalized/acc_mean": acc}, step=0)
         run.finish()

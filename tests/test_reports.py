@@ -117,7 +117,7 @@ def test_both_reports_count_the_same_runs_with_cis_marks_and_diverged_runs(tmp_p
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"](../figures/{png.name})" in report
     # the ranked table for a paper: every number unrounded in the CSV, marks in the LaTeX
     paper = (tmp_path / "reports" / f"{experiment}.csv").read_text().splitlines()
-    assert paper[1].startswith(f"a,{experiment},acc,{a.personalized[0]!r},") and "diverged at round 7" in paper[-1]
+    assert paper[1].startswith(f"a,{experiment},acc,1,True,{a.personalized[0]!r},") and "diverged at round 7" in paper[-1]
     tex = (tmp_path / "reports" / f"{experiment}.tex").read_text()
     assert f"b & {b.personalized[0]:.3f} [{b.personalized[1]:.3f}, {b.personalized[2]:.3f}]$^{{\\approx}}$$^{{\\checkmark}}$" in tex
 
@@ -233,7 +233,7 @@ def test_a_dvc_experiments_runs_use_the_projects_store_and_name_the_experiment(m
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.delenv("DVC_EXP_NAME", raising=False)
     exp = parse_params(tiny_params()).experiment("tiny")
-    assert run_tags(exp, "classification", "p", "fedavg", "fedavg", "c", "d", "h", "f")["dvc_experiment"] == "workspace"
+    assert run_tags(exp, "classification", "p", "fedavg", "fedavg", "c", "d", "h", "s", "f")["dvc_experiment"] == "workspace"
     monkeypatch.setenv("DVC_ROOT", str(tmp_path))
     monkeypatch.setenv("DVC_EXP_NAME", "lucid-mole")
     monkeypatch.setenv("DVC_EXP_BASELINE_REV", "abc123")
@@ -242,7 +242,7 @@ def test_a_dvc_experiments_runs_use_the_projects_store_and_name_the_experiment(m
     assert tracking_uri("sqlite:///m.db?timeout=5") == f"sqlite:///{tmp_path.resolve()}/m.db?timeout=5"
     # a new experiment's artifacts go beside the store, not under the (temporary) working directory
     assert artifact_location(tracking_uri("sqlite:///mlflow.db"), "e").startswith((tmp_path.resolve() / "mlruns").as_uri())
-    tags = run_tags(exp, "classification", "p", "fedavg", "fedavg", "c", "d", "h", "f")
+    tags = run_tags(exp, "classification", "p", "fedavg", "fedavg", "c", "d", "h", "s", "f")
     assert tags["dvc_experiment"] == "lucid-mole" and tags["dvc_baseline"] == "abc123" and tags["config_hash"] == "h"
 
 
@@ -326,7 +326,7 @@ def test_figures_fit_their_text_band_the_seeds_and_draw_a_shared_global_curve_on
     from matplotlib.colors import to_rgb
     from mlflow.tracking import MlflowClient
 
-    from pfl_tasks.reports import FIGURES
+    from pfl_tasks.reports import FIGURES, GREYED, ordered
 
     experiment = f"figs-{uuid.uuid4().hex[:8]}"
     rng = np.random.default_rng(1)
@@ -349,20 +349,29 @@ def test_figures_fit_their_text_band_the_seeds_and_draw_a_shared_global_curve_on
         overlapping = [(a, b) for i, (a, box) in enumerate(boxes) for b, other in boxes[i + 1:] if box.overlaps(other)]
         assert not overlapping, name
 
-    legend = figures["curves"].legends[0]
+    legend = figures["compute"].legends[0]
     labels = [t.get_text() for t in legend.get_texts()]
-    assert sorted(labels) == ["ditto (global = fedavg's)", "fedavg", "local", "one_seed"]
+    assert sorted(labels) == ["ditto", "fedavg", "local", "one_seed"]
     color_of = {label.split(" (")[0]: to_rgb(h.get_color()) for label, h in zip(labels, legend.legend_handles)}
     assert len(set(color_of.values())) == 4
+    # the learning curves: the top group in its colors over the others in grey, named in one entry
+    top = {ordered(results)[0].method} | {r.method for r in results if r.ranked and r.indistinguishable()}
+    greyed = {r.method for r in results if r.ranked} - top
+    curves = [t.get_text() for t in figures["curves"].legends[0].get_texts()]
+    assert sorted(label.split(" (")[0] for label in curves if not label.startswith("outside")) == sorted(top)
+    assert all(m in curves[-1] for m in greyed) and curves[-1].startswith(f"outside the top group ({len(greyed)})")
+    grey = to_rgb(GREYED["color"])
     personalized, shared = figures["curves"].axes
     assert [line.get_label() for line in shared.get_lines()] == ["fedavg"]  # ditto's global curve is fedavg's
     for name in ("curves", "compute"):
         for ax in figures[name].axes:
             lines = {line.get_label(): to_rgb(line.get_color()) for line in ax.get_lines()}
-            assert lines == {m: color_of[m] for m in lines}
+            assert lines == {m: grey if name == "curves" and m in greyed else color_of[m] for m in lines}
             bands = [to_rgb(c.get_facecolor()[0]) for c in ax.collections if isinstance(c, PolyCollection)]
-            assert sorted(bands) == sorted(color for m, color in lines.items() if m != "one_seed"), (name, ax.get_title())
+            assert sorted(bands) == sorted(color for m, color in lines.items()
+                                           if m != "one_seed" and color != grey), (name, ax.get_title())
     assert len(personalized.get_lines()) == 4
+    assert all(0 < x <= 1 for line in personalized.get_lines() for x in line.get_xdata())  # shares of its rounds
     clients = figures["clients"].axes[0]
     methods = [t.get_text() for t in clients.get_xticklabels()]
     assert [to_rgb(box.get_facecolor()) for box in clients.patches] == [color_of[m] for m in methods]
@@ -491,15 +500,17 @@ def test_a_table_exports_to_latex_and_csv_with_its_marks_and_unranked_reasons():
     unranked cell's reason), and a CSV row per cell with every number unrounded."""
     from pfl_tasks.reports import csv_rows, latex
 
-    best = {"metric": "acc", "mean": 0.91234, "ci_low": 0.9, "ci_high": 0.925, "seeds": 3, "weighted": 0.9,
-            "not_worse_than_best": True, "global_only": False, "best_on_validation": True, "marks": "≈✓"}
-    rows = {"fed_avg": {"mnist": {**best, "marks": "†", "best_on_validation": False, "global_only": True}},
+    best = {"metric": "acc", "rank": 2, "best": False, "mean": 0.91234, "ci_low": 0.9, "ci_high": 0.925, "seeds": 3,
+            "weighted": 0.9, "not_worse_than_best": True, "global_only": False, "best_on_validation": True,
+            "marks": "≈✓"}
+    rows = {"fed_avg": {"mnist": {**best, "rank": 1, "best": True, "not_worse_than_best": False, "marks": "†",
+                                  "best_on_validation": False, "global_only": True}},
             "ditto": {"mnist": best, "cifar": {"metric": "acc", "status": "diverged at round 3 (seed 0)"}}}
     comment = "t: written by `python -m flows.tables` (reports/markdown/t.md says how to read it)"
     assert latex(rows, ["mnist", "cifar"], comment).splitlines() == [
         "% t: written by `python -m flows.tables` (reports/markdown/t.md says how to read it)",
         r"\begin{tabular}{lcc}", r"\toprule", r"Method & mnist & cifar \\", r"\midrule",
-        r"fed\_avg & 0.912 [0.900, 0.925]$^{\dagger}$ & -- \\",
+        r"fed\_avg & \textbf{0.912 [0.900, 0.925]}$^{\dagger}$ & -- \\",
         r"ditto & 0.912 [0.900, 0.925]$^{\approx}$$^{\checkmark}$ & {\footnotesize diverged at round 3 (seed 0)} \\",
         r"\bottomrule", r"\end{tabular}"]
     odd = latex({"lr~1e^-2\\x": {"50%_#": {**best, "marks": ""}}}, ["50%_#"], comment)  # pandas escapes them all
@@ -509,6 +520,38 @@ def test_a_table_exports_to_latex_and_csv_with_its_marks_and_unranked_reasons():
         ("fed_avg", "mnist", 0.91234, ""), ("ditto", "mnist", 0.91234, ""),
         ("ditto", "cifar", "", "diverged at round 3 (seed 0)")]
     assert csv[1]["best_on_validation"] is True and csv[0]["global_only"] is True
+    assert [(r["rank"], r["best"]) for r in csv] == [(1, True), (2, False), ("", "")]
+
+
+def test_a_columns_cells_rank_the_methods_and_the_top_group_includes_the_best():
+    """Filtering a paper CSV on `best or not_worse_than_best` gives the top group, winner included
+    (`not_worse_than_best` alone is False for the winner and for significantly worse methods)."""
+    from conftest import ranked_result
+
+    from pfl_tasks.reports import column_cells, csv_rows
+
+    results = [ranked_result("ditto", 0.90, val=0.80), ranked_result("fedavg", 0.89, val=0.85, p_vs_best=0.4),
+               ranked_result("local", 0.70, val=0.70, p_vs_best=0.001)]
+    cells = column_cells(results, "acc")
+    assert {m: (c["rank"], c["best"], c["not_worse_than_best"], c["best_on_validation"]) for m, c in cells.items()} == {
+        "ditto": (1, True, False, False), "fedavg": (2, False, True, True), "local": (3, False, False, False)}
+    rows = csv_rows({m: {"e": c} for m, c in cells.items()}, ["e"])
+    assert [r["method"] for r in rows if r["best"] or r["not_worse_than_best"]] == ["ditto", "fedavg"]
+
+
+def test_every_report_header_says_which_runs_it_counts():
+    """The runs a report ranks are those the workspace's metrics files name (after `dvc exp
+    apply` too), not simply the newest: both headers say so."""
+    from conftest import ranked_result
+
+    from flows.tables import markdown as table_markdown
+    from pfl_tasks.config import VerdictConfig
+    from pfl_tasks.reports import RUNS_COUNTED
+
+    assert "its metrics file in this workspace names" in RUNS_COUNTED
+    for text in (report_markdown("e", "acc", [ranked_result("ditto", 0.9, val=0.8)], {}),
+                 table_markdown("t", {}, ["e"], VerdictConfig())):
+        assert RUNS_COUNTED in text and "Runs: the newest" not in text
 
 
 def test_a_report_whose_best_on_validation_is_not_rank_one_says_which_row_a_choice_picks():
@@ -601,3 +644,60 @@ def test_participation_figure_shows_each_group_initial_and_learned_and_fits_its_
     for text, box in boxes:
         assert fig.bbox.x0 <= box.x0 and box.x1 <= fig.bbox.x1 and fig.bbox.y0 <= box.y0 and box.y1 <= fig.bbox.y1, text
     assert not [(a, b) for i, (a, box) in enumerate(boxes) for b, other in boxes[i + 1:] if box.overlaps(other)]
+
+
+def test_tables_builds_the_tables_it_can_and_names_those_it_skips(tmp_path, monkeypatch, capsys):
+    """A params file whose second table's experiment has no runs yet: the first is written,
+    the second skipped with a line naming what it lacks."""
+    import yaml
+
+    from conftest import tiny_params
+    from flows.tables import write_tables
+
+    name = f"tables-some-{os.getpid()}"
+    for seed in (0, 1):
+        log_run(tmp_path, name, "fedavg", seed, [0.5, 0.7])
+    data = tiny_params(algorithms=["fedavg"], seeds=[0, 1])
+    data["experiments"] = {name: data["experiments"]["tiny"], "untrained": data["experiments"]["tiny"]}
+    data["tracking"] = {"mlflow_uri": mlflow_uri()}
+    data["tables"] = {"built": {"experiments": [name]}, "later": {"experiments": [name, "untrained"]}}
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(data))
+    monkeypatch.chdir(tmp_path)
+    written = write_tables("params.yaml", str(tmp_path))
+    assert [p.name for p in written] == ["built.md"]
+    assert "tables: later skipped: no runs of experiment(s) ['untrained'] yet (train them first)" in capsys.readouterr().err
+
+
+def test_a_per_method_sweeps_choice_is_saved_in_its_folder_as_json_and_a_table(tmp_path):
+    """`--per-method`'s answer outlives the console: each method's variant best on validation,
+    with its validation and test numbers, in the sweep's folder."""
+    from conftest import ranked_result
+
+    from flows.sweep import write_per_method
+
+    best = {"ditto": ("m-lr-lr1", ranked_result("ditto_mu0.1", 0.88, val=0.85)),
+            "fedavg": ("m-lr-lr0.1", ranked_result("fedavg", 0.80, val=0.79))}
+    chosen = write_per_method(tmp_path, "lr", best)
+    saved = json.loads((tmp_path / "per_method.json").read_text())
+    assert saved == chosen and saved["ditto"]["variant"] == "ditto_mu0.1" and saved["ditto"]["val"] == 0.85
+    assert saved["ditto"]["test"] == {"mean": 0.88, "ci_low": 0.87, "ci_high": 0.89}
+    table = (tmp_path / "per_method.md").read_text()
+    assert "| ditto | ditto_mu0.1 | m-lr-lr1 | 0.8500 | 0.8800 [0.8700, 0.8900] |" in table
+
+
+def test_the_setting_hash_tag_tells_settings_apart_and_groups_a_settings_seeds():
+    """After `dvc exp run -S algorithms.ditto.mu=1.0`, runs of both mu values carry variant
+    `ditto`: grouping by `setting_hash` keeps them apart while pooling each setting's seeds."""
+    from conftest import tiny_params
+    from pfl_tasks.config import parse_params
+    from pfl_tasks.training import run_identity
+
+    def setting(mu: float, seed: int, rounds: int = 10, data: str = "d") -> str:
+        raw = tiny_params(algorithms=["ditto"], seeds=[0, 1])
+        raw["federation"]["rounds"] = rounds
+        exp = parse_params(raw).experiment("tiny").for_run("ditto", seed)
+        return run_identity(exp, "ditto", {"mu": mu}, f"{data}-{seed}")["setting_hash"]
+
+    assert setting(0.1, 0) == setting(0.1, 1)  # a setting's seeds (and their partitions) share it
+    assert setting(0.1, 0) != setting(1.0, 0)  # another mu is another setting
+    assert setting(0.1, 0) != setting(0.1, 0, rounds=20)  # and so is another budget
