@@ -809,7 +809,10 @@ def _two_panels(results: list[MethodResult], title: str, panels: dict[str, str],
     styles = method_styles(results)
     if highlight is not None:
         styles = {m: style if m in highlight else GREYED for m, style in styles.items()}
-    owners_first = sorted((r for r in results if r.ranked), key=lambda r: not r.global_only)
+    # a shared curve is drawn once, by the first of its methods: a highlighted one, then one whose
+    # personalized model is the global one
+    owners_first = sorted((r for r in results if r.ranked),
+                          key=lambda r: (highlight is not None and r.method not in highlight, not r.global_only))
     listed, notes = set(), {}
     for ax, (panel, panel_title) in zip(axes, panels.items()):
         owner_of: dict[tuple, str] = {}  # a drawn line's points -> its method
@@ -847,22 +850,23 @@ def curves_figure(client, results: list[MethodResult], metric: str, title: str):
     """Personalized and global test metric against the share of each method's own rounds (so
     that a method of ten times the rounds, L2SGD's, spans the axis as the others do), one line
     per ranked method: the top group (the best by the client mean and the methods ≈ to it) in
-    color, the others in grey."""
-    rounds: dict[str, int] = {}
+    color, the others in grey; all in color when no method of the top group has a round curve
+    (a downstream Learn2pFed's)."""
+    kinds = {"personalized": "personalized model", "global": "global model"}
+    curves = {(r.method, kind): seed_curve(client, r.run_ids, f"test/{kind}/{metric}_mean")
+              for r in results if r.ranked for kind in kinds}
+    rounds = {method: max(curve) for (method, _), curve in curves.items() if curve}
 
     def lines(r, kind):
-        curve = seed_curve(client, r.run_ids, f"test/{kind}/{metric}_mean")
-        if curve:
-            rounds.setdefault(r.method, max(curve))
-        return {step / rounds[r.method]: value for step, value in curve.items()} if curve else {}
+        return {step / rounds[r.method]: value for step, value in curves[r.method, kind].items()}
 
     def style(ax):
         ax.set_xlim(0, 1)
         ax.xaxis.set_major_formatter(_pyplot().matplotlib.ticker.PercentFormatter(1.0))
 
     top = {r.method for r in ordered(results)[:1]} | {r.method for r in results if r.ranked and r.indistinguishable()}
-    fig = _two_panels(results, title, {"personalized": "personalized model", "global": "global model"},
-                      "share of the method's rounds", f"test {metric}, mean over clients", lines, style, top)
+    fig = _two_panels(results, title, kinds, "share of the method's rounds", f"test {metric}, mean over clients",
+                      lines, style, top if top & set(rounds) else None)
     if fig is not None:
         usual = statistics.mode(rounds.values())
         others = "".join(f"; {m}: {n}" for m, n in rounds.items() if n != usual)
