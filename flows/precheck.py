@@ -38,15 +38,17 @@ def check_params_first(stage: str, params_path: str, experiment: str) -> None:
         sys.exit(2)
 
 
-def pin_numerics_first(stage: str, params_path: str, experiments=(), datasets=(), stored: bool = False) -> None:
+def pin_numerics_first(stage: str, params_path: str, experiments=(), datasets=(), stored: bool = False,
+                       runs=()) -> None:
     """For an entry point that loads torch, Prefect or MLflow before it reads its params: pin
     `engine.numerics` from the params file first, and check the names the command line gives
-    (`experiments`: configured, or with `stored` held by the sqlite store; `datasets`) and the
-    files of your own data they train on, or exit 2 with the one line."""
+    (`experiments`: configured, or with `stored` held by the sqlite store; `datasets`; `runs`, a
+    sweep's --algorithms) and the files of your own data they train on, or exit 2 with the one line."""
     try:
         params = load_params(params_path)
         pin(params.engine.numerics)
         check_names(params, params_path, experiments, datasets, stored)
+        check_runs(params, runs)
     except ConfigError as err:
         print(f"{stage} failed: {err}", file=sys.stderr)
         sys.exit(2)
@@ -101,15 +103,10 @@ def registered_algorithms() -> set[str]:
     return names
 
 
-def check_runs_first(stage: str, params_path: str, runs) -> None:
-    """Each of `runs` (a sweep's --algorithms) names an algorithm, by itself or through its entry
-    under `algorithms`, or exit 2 with the one line."""
-    try:
-        params = load_params(params_path)
-        known = registered_algorithms()
-        for run in runs:
-            if (params.algorithms.get(run) or {}).get("algorithm", run) not in known:
-                raise ConfigError(f"--algorithms: {unknown('algorithm', run, known | set(params.algorithms))}")
-    except ConfigError as err:
-        print(f"{stage} failed: {err}", file=sys.stderr)
-        sys.exit(2)
+def check_runs(params, runs) -> None:
+    """A ConfigError naming the first of `runs` (a sweep's --algorithms) that names no algorithm,
+    by itself or through its entry under `algorithms`."""
+    known = registered_algorithms() if runs else set()
+    for run in runs:
+        if (params.algorithms.get(run) or {}).get("algorithm", run) not in known:
+            raise ConfigError(f"--algorithms: {unknown('algorithm', run, known | set(params.algorithms))}")

@@ -24,7 +24,7 @@ import tempfile
 from pathlib import Path
 
 from flows.environment import local_defaults
-from flows.precheck import check_runs_first, pin_numerics_first
+from flows.precheck import pin_numerics_first
 
 def arguments() -> argparse.ArgumentParser:
     """The command line of a sweep given by options (the other form is one JSON argument)."""
@@ -50,8 +50,7 @@ if __name__ == "__main__":  # --help and command-line errors answer first; then 
     with contextlib.suppress(ValueError, AttributeError):  # a bad JSON sweep is refused by main, in one line
         first = json.loads(sys.argv[1]) if as_json else vars(arguments().parse_args())
         params_path = first.get("params_path" if as_json else "params", "params.yaml")
-        pin_numerics_first("sweep", params_path, [first["experiment"]])
-        check_runs_first("sweep", params_path, first.get("algorithms") or [])
+        pin_numerics_first("sweep", params_path, [first["experiment"]], runs=first.get("algorithms") or [])
 
 import yaml
 from prefect import flow

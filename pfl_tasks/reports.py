@@ -2,7 +2,8 @@
 
 The per-experiment comparison (`flows.compare`) and the paper tables (`flows.tables`) both read
 MLflow through `collect` and `summarize`, so they count the same runs: for each configured
-(method, seed), its newest run that finished or diverged, and nothing else.
+(method, seed), the run its metrics file names, else its newest that finished or diverged
+(`RUNS_COUNTED`), and nothing else.
 
 The protocol (docs/protocol.md): a method's score is the test metric of its
 personalized model at the round selected on validation, per client; the cell is the mean over
@@ -489,6 +490,12 @@ def _plateau(result: MethodResult) -> str:
     return f"{sum(result.plateaued)}/{len(result.plateaued)}"
 
 
+def top_group(results: list[MethodResult], weighted: bool = False) -> list[MethodResult]:
+    """The best ranked method by one statistic and every method ≈ to it, best first."""
+    ranked = ordered(results, weighted)
+    return ranked[:1] + [r for r in ranked[1:] if r.indistinguishable(weighted)]
+
+
 def best_line(results: list[MethodResult], weighted: bool = False) -> str:
     """What a console line may claim of a ranking (by the client mean, or `weighted`): a best
     method only when it is significantly better than every other, else the top group (it and
@@ -497,7 +504,7 @@ def best_line(results: list[MethodResult], weighted: bool = False) -> str:
     ranked = ordered(results, weighted)
     if not ranked:
         return "none ranked"
-    group = [ranked[0], *(r for r in ranked[1:] if r.indistinguishable(weighted))]
+    group = top_group(results, weighted)
     named = ", ".join(f"{r.method} ({r.score(weighted)[0]:.4f})" for r in group)
     line = f"best {named}" if len(group) == 1 else f"top group (not significantly different): {named}"
     verdicts = [reached for r in ranked for reached in r.plateaued]
@@ -864,14 +871,13 @@ def curves_figure(client, results: list[MethodResult], metric: str, title: str):
         ax.set_xlim(0, 1)
         ax.xaxis.set_major_formatter(_pyplot().matplotlib.ticker.PercentFormatter(1.0))
 
-    top = {r.method for r in ordered(results)[:1]} | {r.method for r in results if r.ranked and r.indistinguishable()}
-    fig = _two_panels(results, title, kinds, "share of the method's rounds", f"test {metric}, mean over clients",
-                      lines, style, top if top & set(rounds) else None)
-    if fig is not None:
-        usual = statistics.mode(rounds.values())
-        others = "".join(f"; {m}: {n}" for m, n in rounds.items() if n != usual)
-        fig.supxlabel(f"share of the method's rounds ({usual} rounds{others})", fontsize="medium")
-    return fig
+    if not rounds:
+        return None
+    usual = statistics.mode(rounds.values())
+    others = "".join(f"; {m}: {n}" for m, n in rounds.items() if n != usual)
+    top = {r.method for r in top_group(results)}
+    return _two_panels(results, title, kinds, f"share of the method's rounds ({usual} rounds{others})",
+                       f"test {metric}, mean over clients", lines, style, top if top & set(rounds) else None)
 
 
 def compute_figure(client, results: list[MethodResult], metric: str, title: str):
