@@ -17,6 +17,8 @@ import argparse
 import os
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 from flows.environment import local_defaults
@@ -29,8 +31,9 @@ def arguments() -> argparse.ArgumentParser:
     parser.add_argument("--root", default=".", help="where its data, models, metrics, plots and reports go")
     parser.add_argument("experiments", nargs="*", help="default: every experiment of the params file")
     parser.add_argument("--estimate", action="store_true",
-                        help="run nothing: time 3 rounds and an evaluation of each algorithm on this machine "
-                             "and print the experiments' estimated training time")
+                        help="print the run's wall-clock time on this machine, writing nothing here: time 3 rounds "
+                             "and an evaluation of each algorithm, and measure the fixed costs by running the "
+                             "pipeline itself in a temporary folder on the first seed, for two evaluation intervals a run")
     return parser
 
 
@@ -50,9 +53,11 @@ from flows.tables import write_tables
 from flows.train import train_experiment
 from flows.tune import tune_flow
 from pfl_tasks.algorithms import validate_params
-from pfl_tasks.config import Params, load_params, params_snapshot
+import yaml
+
+from pfl_tasks.config import Params, load_params, params_snapshot, read_params
 from pfl_tasks.errors import ConfigError
-from pfl_tasks.estimate import estimate, report
+from pfl_tasks.estimate import Probe, probe_params, probe_runs, report, time_steps, whole
 from pfl_tasks.tracking import tracking_uri
 
 STEP_OPTIONS = dict(cache_policy=NO_CACHE, persist_result=False)
@@ -124,15 +129,47 @@ def where_results(params_path: str, root: str, experiments: list[str] | None) ->
     return "\n".join(f"{what:<{width}}  {where}" for what, where in rows)
 
 
+def probe(params_path: str, params: Params, chosen: list[str], experiments: list[str]) -> Probe:
+    """The estimate's fixed costs: this file's pipeline (`probe_params`) run in a temporary
+    folder with its own MLflow store, timed."""
+    with tempfile.TemporaryDirectory(prefix="pfl-estimate-") as tmp:
+        store = f"sqlite:///{Path(tmp).resolve() / 'mlflow.db'}"
+        probe_file = Path(tmp) / "params.yaml"
+        probe_file.write_text(yaml.safe_dump(probe_params(read_params(params_path), params, chosen, store),
+                                             sort_keys=False))
+        print(f"{params_path}: measuring the other costs: the pipeline on each experiment's first seed, two "
+              f"evaluation intervals a run, in {tmp}", file=sys.stderr, flush=True)
+        project = str(Path(__file__).resolve().parent.parent)  # run from here, as the file's paths are relative to here
+        env = {**os.environ, "MLFLOW_TRACKING_URI": store,
+               "PYTHONPATH": os.pathsep.join(filter(None, [project, os.environ.get("PYTHONPATH")]))}
+        start = time.perf_counter()
+        done = subprocess.run([sys.executable, "-m", "flows.pipeline", "--params", str(probe_file), "--root", tmp,
+                               *experiments], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        wall = time.perf_counter() - start
+        if done.returncode:
+            print("\n".join(done.stdout.splitlines()[-20:]), file=sys.stderr)
+            raise ConfigError(f"{params_path}: the estimate's probe, this file's pipeline on one seed for two "
+                              f"evaluation intervals a run, failed (exit {done.returncode}; its last lines are above)")
+        return Probe(wall, probe_runs(store))
+
+
+def estimate_text(params_path: str, params: Params, chosen: list[str], experiments: list[str]) -> str:
+    """The whole run's estimate (pfl_tasks/estimate.py)."""
+    timings, platform = {}, ""
+    for experiment in chosen:
+        platform, timings[experiment] = time_steps(params, experiment, progress=lambda line: print(
+            line, file=sys.stderr, flush=True))
+    measured = probe(params_path, params, chosen, experiments)
+    return report(params_path, platform, measured, *whole(params, chosen, timings, measured))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = arguments().parse_args(argv)
 
     def work():
         params, chosen = checked_params(args.params, args.experiments or None)  # before the Prefect server starts
         if args.estimate:
-            for experiment in chosen:
-                print(report(experiment, *estimate(params, experiment, progress=lambda line: print(
-                    line, file=sys.stderr, flush=True))), flush=True)
+            print(estimate_text(args.params, params, chosen, args.experiments), flush=True)
             return
         with prefect_api():
             pipeline_flow(args.params, args.root, args.experiments or None)

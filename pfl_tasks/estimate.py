@@ -1,29 +1,39 @@
-"""A dry run's time: an experiment's rounds and evaluations times the step times measured on
-this machine, before committing hours to it (`python -m flows.pipeline ... --estimate`).
+"""A dry run's wall-clock time: what `flows.pipeline` would take for a params file on this
+machine, before committing hours to it (`python -m flows.pipeline ... --estimate`).
 
-Each algorithm runs one warm-up round, then `rounds` (3) timed rounds and one timed evaluation,
-on the experiment's first seed's partition built in memory (nothing is written: no partition,
-checkpoint, MLflow or Prefect run). The estimate is per algorithm: seeds x (rounds x round time
-+ evaluations x evaluation time), a range from the fastest to the slowest timed round, plus
-their sum; the fixed costs of a stage (its start, the store, checkpoints) and the Learn2pFed
-stage are not in it.
+Two measurements, neither writing where the pipeline writes:
+- each algorithm's steps (`time_steps`): a warm-up round, then `rounds` (3) timed rounds and one
+  timed evaluation, on the experiment's first seed's partition built in memory;
+- the other costs (`probe_params`, run by `flows.pipeline`): the file's own pipeline in a
+  temporary folder with its own MLflow store, every stage as configured but each experiment on
+  its first seed, each run for two evaluation intervals and each tuning grid at its first point.
+  Its wall time holds what does not grow with the
+  runs (process start, the Prefect server, prepare, compare, tables). In each training run, the
+  second interval less its steps is an interval's orchestration (Prefect task runs, MLflow
+  logging, a checkpoint), and the run's wall time less both intervals its start and finish.
+
+The total is the probe's wall time plus what the probe left out: every run at the timed rates
+with those costs, less the probe's own runs, and Learn2pFed's other seeds at the probe's rate. Its range is the fastest and the slowest timed round's.
 """
 
 from __future__ import annotations
 
+import copy
+import math
+import statistics
 import tempfile
 import time
 from collections.abc import Callable
-from pathlib import Path
 from dataclasses import dataclass
+from pathlib import Path
 
 from pfl_tasks.algorithms import build
-from pfl_tasks.config import Params
+from pfl_tasks.config import FederationConfig, Params
 from pfl_tasks.data import FederatedData, build_partition, load_partition, write_partition
 from pfl_tasks.engine.device import describe
 from pfl_tasks.engine.federation import Federation
 from pfl_tasks.engine.rounds import InlineSteps
-
+from pfl_tasks.tuning import grids, points, tune_name
 
 def built_partition(name: str, cfg, seed: int) -> FederatedData:
     """The partition `prepare` would write, built, written, verified and read back as a stage
@@ -36,37 +46,26 @@ def built_partition(name: str, cfg, seed: int) -> FederatedData:
 
 
 @dataclass(frozen=True)
-class Estimate:
-    algorithm: str
+class Timing:
+    """One algorithm's steps on this machine."""
+
     round_s: tuple[float, ...]  # each timed round
-    evaluation_s: float  # one evaluation of every client, measured
-    runs: int  # seeds
-    rounds: int
-    evaluations: int
-
-    def total_s(self, round_s: float) -> float:
-        return self.runs * (self.rounds * round_s + self.evaluations * self.evaluation_s)
-
-    @property
-    def range_s(self) -> tuple[float, float]:
-        """The estimate at the fastest and at the slowest timed round."""
-        return self.total_s(min(self.round_s)), self.total_s(max(self.round_s))
+    evaluation_s: float  # one evaluation of every client
 
 
-def estimate(params: Params, experiment: str, rounds: int = 3,
-             progress: Callable[[str], None] = lambda line: None) -> tuple[str, list[Estimate]]:
-    """The platform it was measured on, and each algorithm's estimate from `rounds` timed rounds;
-    `progress` gets a line as each algorithm starts."""
+def time_steps(params: Params, experiment: str, rounds: int = 3,
+               progress: Callable[[str], None] = lambda line: None) -> tuple[str, dict[str, Timing]]:
+    """The platform, and each algorithm's timing from `rounds` timed rounds; `progress` gets a
+    line as each algorithm starts."""
     exp = params.experiment(experiment)
     seed = exp.seeds[0]
     data = built_partition(exp.dataset, params.datasets[exp.dataset], seed)
     steps = InlineSteps(exp.engine.max_workers)
-    out, platform = [], ""
+    out, platform = {}, ""
     for number, name in enumerate(exp.algorithms, 1):
         progress(f"{experiment}: timing {name} ({number} of {len(exp.algorithms)}): a warm-up round, "
                  f"{rounds} timed rounds and an evaluation")
-        run = exp.for_run(name, seed)
-        fed = Federation(run, build(name, exp.hyper[name]), data)
+        fed = Federation(exp.for_run(name, seed), build(name, exp.hyper[name]), data)
         platform = describe(fed.platform)
         state, times = steps.round(fed, fed.initial_state(), 0), []  # a warm-up round first
         for round_idx in range(1, 1 + rounds):
@@ -75,11 +74,160 @@ def estimate(params: Params, experiment: str, rounds: int = 3,
             times.append(time.perf_counter() - start)
         start = time.perf_counter()
         fed.evaluate(state)
-        evaluation_s = time.perf_counter() - start
-        fed_cfg = run.federation
-        evaluations = len(set(range(fed_cfg.eval_every, fed_cfg.rounds + 1, fed_cfg.eval_every)) | {fed_cfg.rounds})
-        out.append(Estimate(name, tuple(times), evaluation_s, len(exp.seeds), fed_cfg.rounds, evaluations))
+        out[name] = Timing(tuple(times), time.perf_counter() - start)
     return platform, out
+
+
+def evaluations(rounds: int, eval_every: int) -> int:
+    """A run's evaluations: every `eval_every` rounds and after the last."""
+    return len(set(range(eval_every, rounds + 1, eval_every)) | {rounds})
+
+
+def probe_interval(fed: FederationConfig) -> int:
+    """A probe run's evaluation (and checkpoint) interval; it runs two."""
+    return min(fed.eval_every, math.ceil(fed.rounds / 2))
+
+
+@dataclass(frozen=True)
+class Runs:
+    """`count` runs of one algorithm in one stage, each of `rounds` rounds and `evaluations`
+    evaluations."""
+
+    stage: str  # train-<experiment>, tune-<experiment>
+    algorithm: str
+    count: int
+    rounds: int
+    evaluations: int
+
+
+def planned_runs(params: Params, experiment: str) -> list[Runs]:
+    """Every run the pipeline trains for `experiment`: its tuning grid's, then its own."""
+    exp, out = params.experiment(experiment), []
+    if experiment in params.tuning:
+        fraction = params.tuning[experiment].rounds_fraction
+        for name, grid in grids(params, experiment).items():
+            fed = exp.for_run(name).federation
+            rounds = math.ceil(fraction * fed.rounds)
+            out.append(Runs(f"tune-{experiment}", name, math.prod(len(v) for v in grid.values()), rounds,
+                            evaluations(rounds, fed.eval_every)))
+    for name in exp.algorithms:
+        fed = exp.for_run(name).federation
+        out.append(Runs(f"train-{experiment}", name, len(exp.seeds), fed.rounds, evaluations(fed.rounds, fed.eval_every)))
+    return out
+
+
+def probe_params(raw: dict, params: Params, experiments: list[str], store: str) -> dict:
+    """The probe's params file (`raw` as read): the pipeline of `experiments` as configured, each
+    on its first seed, each run for two evaluation intervals (`probe_interval`, a checkpoint each),
+    each tuning grid at its first point, logged to `store`."""
+    raw = copy.deepcopy(raw)
+    kept = {}
+    for experiment in experiments:
+        exp, source = params.experiment(experiment), raw["experiments"][experiment]
+        overrides = source.setdefault("run_overrides", {})
+        for name in exp.algorithms:
+            interval = probe_interval(exp.for_run(name).federation)
+            own = overrides.setdefault(name, {})
+            own["federation"] = {**own.get("federation", {}), "rounds": 2 * interval, "eval_every": interval,
+                                 "checkpoint_every": interval}
+        source["seeds"] = [exp.seeds[0]]
+        kept[experiment] = source
+    raw["experiments"] = kept
+    raw["tuning"] = {e: {**t, "lr": t["lr"][:1], "hyper": {run: {key: values[:1] for key, values in grid.items()}
+                                                          for run, grid in (t.get("hyper") or {}).items()}}
+                     for e, t in (raw.get("tuning") or {}).items() if e in kept}
+    raw["learn2pfed"] = {e: c for e, c in (raw.get("learn2pfed") or {}).items() if e in kept}
+    raw["tables"] = {t: c for t, c in (raw.get("tables") or {}).items() if set(c["experiments"]) <= set(kept)}
+    raw["tracking"] = {**(raw.get("tracking") or {}), "mlflow_uri": store}
+    return raw
+
+
+@dataclass(frozen=True)
+class ProbeRun:
+    wall_s: float  # its MLflow run's
+    logged_s: tuple[float, ...]  # when each batch of its metrics was logged (at its checkpoints), from its start
+
+
+@dataclass(frozen=True)
+class Probe:
+    """What the probe pipeline measured."""
+
+    wall_s: float
+    runs: dict[tuple[str, str], ProbeRun]  # (MLflow experiment, run name) -> its run
+
+
+def probe_runs(uri: str) -> dict[tuple[str, str], ProbeRun]:
+    """Every finished run in the probe's MLflow store."""
+    from mlflow.tracking import MlflowClient
+
+    client, out = MlflowClient(tracking_uri=uri), {}
+    for e in client.search_experiments():
+        for r in client.search_runs([e.experiment_id]):
+            if r.info.end_time:
+                key = min(k for k in r.data.metrics if k.startswith("val/"))
+                logged = sorted({m.timestamp for m in client.get_metric_history(r.info.run_id, key)})
+                out[e.name, r.info.run_name] = ProbeRun((r.info.end_time - r.info.start_time) / 1000,
+                                                        tuple((t - r.info.start_time) / 1000 for t in logged))
+    return out
+
+
+@dataclass(frozen=True)
+class Cost:
+    """A run's measured costs besides its steps."""
+
+    run_s: float  # once a run: its start and finish
+    interval_s: float  # per evaluation interval: Prefect task runs, MLflow logging, a checkpoint
+
+
+def measured_cost(run: ProbeRun | None, interval_rounds: int, t: Timing) -> Cost:
+    """From the probe run's two intervals: the second, less its steps, is an interval's
+    orchestration; the run's wall time less both intervals is its start and finish."""
+    if run is None or len(run.logged_s) < 2:
+        return Cost(0.0, 0.0)
+    interval = run.logged_s[1] - run.logged_s[0]
+    return Cost(max(0.0, run.wall_s - 2 * interval),
+                max(0.0, interval - interval_rounds * statistics.median(t.round_s) - t.evaluation_s))
+
+
+@dataclass(frozen=True)
+class Line:
+    """One stage's runs of one algorithm, estimated, less the probe's run of them."""
+
+    runs: Runs
+    timing: Timing
+    cost: Cost
+    low_s: float
+    high_s: float
+
+
+def whole(params: Params, experiments: list[str], timings: dict[str, dict[str, Timing]],
+          probe: Probe) -> tuple[list[Line], dict[str, float], float, float]:
+    """Each stage's runs per algorithm, Learn2pFed's seconds beyond the probe per experiment, and
+    the whole run's low and high totals."""
+    lines, learn2pfed = [], {}
+    for experiment in experiments:
+        exp = params.experiment(experiment)
+        methods = {(experiment, name): name for name in exp.algorithms}  # (MLflow experiment, run) -> method
+        if experiment in params.tuning:
+            methods |= {(tune_name(experiment), name): run for name, (run, _) in points(params, experiment).items()}
+        probed = {(e, methods.get((e, name.rsplit("-seed", 1)[0]))): run for (e, name), run in probe.runs.items()}
+        for runs in planned_runs(params, experiment):
+            t = timings[experiment][runs.algorithm]
+            trained = probed.get((experiment, runs.algorithm))
+            cost = measured_cost(trained, probe_interval(exp.for_run(runs.algorithm).federation), t)
+            mine = trained if runs.stage.startswith("train-") else probed.get((tune_name(experiment), runs.algorithm))
+
+            def total(round_s):
+                each = cost.run_s + runs.rounds * round_s + runs.evaluations * (t.evaluation_s + cost.interval_s)
+                return runs.count * each - (mine.wall_s if mine else 0.0)
+            lines.append(Line(runs, t, cost, total(min(t.round_s)), total(max(t.round_s))))
+        if experiment in params.learn2pfed:
+            seconds = sum(run.wall_s for (e, name), run in probe.runs.items()
+                          if e == experiment and name.startswith("learn2pfed-"))
+            learn2pfed[experiment] = seconds * (len(exp.seeds) - 1)
+    fixed = probe.wall_s + sum(learn2pfed.values())
+    return (lines, learn2pfed, fixed + sum(line.low_s for line in lines),
+            fixed + sum(line.high_s for line in lines))
 
 
 def duration(seconds: float) -> str:
@@ -88,20 +236,28 @@ def duration(seconds: float) -> str:
     return f"{seconds / 60:.1f} min" if seconds >= 60 else f"{seconds:.0f} s"
 
 
-def report(experiment: str, platform: str, estimates: list[Estimate]) -> str:
-    timed = len(estimates[0].round_s) if estimates else 0
-    lines = [f"{experiment}: estimated on {platform} (one warm-up round, then {timed} timed rounds, the fastest "
-             "and slowest giving the range, and one evaluation per algorithm; stage start-up, checkpoints and "
-             "MLflow not included)",
-             f"{'algorithm':<12} {'round':>15} {'evaluation':>11}  runs x (rounds + evaluations)  {'estimate':>17}"]
-    for e in estimates:
-        low, high = e.range_s
-        lines.append(f"{e.algorithm:<12} {min(e.round_s):>6.2f}-{max(e.round_s):.2f}s {e.evaluation_s:>10.2f}s  "
-                     f"{e.runs} x ({e.rounds} + {e.evaluations}){'':>14}{span(low, high):>17}")
-    low, high = (sum(e.range_s[i] for e in estimates) for i in (0, 1))
-    lines.append(f"{'total':<12} {span(low, high):>74}")
-    return "\n".join(lines)
-
-
 def span(low: float, high: float) -> str:
     return f"{duration(low)} - {duration(high)}"
+
+
+def report(params_path: str, platform: str, probe: Probe, lines: list[Line], learn2pfed: dict[str, float],
+           low: float, high: float) -> str:
+    out = [f"{params_path}: estimated on {platform}: each algorithm's rounds timed (one warm-up round, then "
+           f"{len(lines[0].timing.round_s) if lines else 0}, the fastest and slowest giving the range) and one "
+           "evaluation; other costs measured by the probe, the pipeline itself on each experiment's first seed "
+           "for two evaluation intervals a run",
+           f"{'stage':<16} {'algorithm':<12} {'round':>13} {'evaluation':>10} {'interval':>9} {'run':>7}  "
+           f"runs x (rounds + evaluations)  {'beyond the probe':>17}"]
+    for line in lines:
+        r, t = line.runs, line.timing
+        out.append(f"{r.stage:<16} {r.algorithm:<12} {min(t.round_s):>5.2f}-{max(t.round_s):.2f} s {t.evaluation_s:>8.2f} s "
+                   f"{line.cost.interval_s:>7.2f} s {line.cost.run_s:>5.2f} s  "
+                   f"{f'{r.count} x ({r.rounds} + {r.evaluations})':<29}  {span(line.low_s, line.high_s):>17}")
+    for experiment, seconds in learn2pfed.items():
+        out.append(f"{'learn2pfed-' + experiment:<16} {'':<12} {'':>52}  {'the probe x other seeds':<29}  "
+                   f"{duration(seconds):>17}")
+    out.append(f"{'probe':<16} {'':<12} {'':>52}  {'its wall time':<29}  {duration(probe.wall_s):>17}")
+    out.append(f"total: {span(low, high)} (interval: an evaluation interval's orchestration, Prefect task runs, "
+               "MLflow logging and a checkpoint; run: a run's start and finish; both measured in the probe; a busier "
+               "machine stretches every figure)")
+    return "\n".join(out)

@@ -1,42 +1,101 @@
-"""`--estimate`: a dry run that times each algorithm's round and evaluation on this machine and
-multiplies them out, writing nothing."""
+"""`--estimate`: each algorithm's steps timed on this machine, the other costs measured by a
+probe (the file's own pipeline, shortened, in a temporary folder), multiplied out to the whole
+run, writing nothing where the pipeline writes."""
 
 import pytest
+import yaml
 from conftest import tiny_params
 
 from pfl_tasks.algorithms import validate_params
 from pfl_tasks.config import parse_params
-from pfl_tasks.estimate import Estimate, estimate, report
+from pfl_tasks.estimate import (Probe, ProbeRun, Timing, measured_cost, planned_runs, probe_params, report,
+                                time_steps, whole)
 
 
-def test_an_estimate_is_runs_times_rounds_and_evaluations():
-    e = Estimate("fedavg", round_s=(0.5, 0.7, 0.6), evaluation_s=2.0, runs=3, rounds=2000, evaluations=100)
-    assert e.range_s == (3 * (2000 * 0.5 + 100 * 2.0), 3 * (2000 * 0.7 + 100 * 2.0))
+def tuned_raw() -> dict:
+    raw = tiny_params(algorithms=["local", "fedprox"], seeds=[3, 4, 5])
+    raw["federation"] = {"rounds": 20, "eval_every": 5, "checkpoint_every": 10}
+    raw["tuning"] = {"tiny": {"lr": [0.05, 0.5], "rounds_fraction": 0.5, "hyper": {"fedprox": {"mu": [0.01, 0.1, 1.0]}}}}
+    raw["learn2pfed"] = {"tiny": {"supervision": ["train"], "features_from": "fedprox", "meta": {"epochs": 40}}}
+    return raw
 
 
-def test_the_estimate_times_every_algorithm_and_writes_nothing(tmp_path, monkeypatch):
+def test_the_plan_counts_every_grid_point_and_seed_at_its_rounds_and_evaluations():
+    params = validate_params(parse_params(tuned_raw()))
+    assert [(r.stage, r.algorithm, r.count, r.rounds, r.evaluations) for r in planned_runs(params, "tiny")] == [
+        ("tune-tiny", "local", 2, 10, 2), ("tune-tiny", "fedprox", 6, 10, 2),
+        ("train-tiny", "local", 3, 20, 4), ("train-tiny", "fedprox", 3, 20, 4)]
+
+
+def test_the_probe_is_the_pipeline_on_the_first_seed_for_two_intervals_a_run():
+    raw = tuned_raw()
+    params = validate_params(parse_params(raw))
+    probe = probe_params(raw, params, ["tiny"], "sqlite:////tmp/probe.db")
+    shortened = validate_params(parse_params(probe))
+    exp = shortened.experiment("tiny")
+    assert exp.seeds == [3]
+    assert {(f.rounds, f.eval_every, f.checkpoint_every) for f in
+            (exp.for_run(name).federation for name in exp.algorithms)} == {(10, 5, 5)}
+    assert shortened.tuning["tiny"].lr == [0.05] and shortened.tuning["tiny"].hyper == {"fedprox": {"mu": [0.01]}}
+    assert shortened.learn2pfed["tiny"].meta.epochs == 40 and shortened.tracking.mlflow_uri == "sqlite:////tmp/probe.db"
+    assert raw == tuned_raw()  # the file as read is left alone
+
+
+def test_the_whole_run_is_the_probe_plus_every_run_less_the_probes_own():
+    params = validate_params(parse_params(tuned_raw()))
+    timings = {"tiny": {"local": Timing((0.1, 0.1, 0.3), 0.5), "fedprox": Timing((0.2, 0.2, 0.2), 1.0)}}
+    # the probe's runs: 2 intervals of 5 rounds; metrics logged at each interval's end
+    probe = Probe(30.0, {
+        ("tiny", "local-seed3"): ProbeRun(5.0, (2.0, 3.5)),  # interval 1.5 s: 5 x 0.1 + 0.5 steps, 0.5 orchestration
+        ("tiny", "fedprox-seed3"): ProbeRun(6.0, (2.5, 4.5)),  # interval 2.0 s: 5 x 0.2 + 1.0 steps, nothing else
+        ("tiny-tune", "local_lr0.05-seed3"): ProbeRun(2.0, (1.5,)),
+        ("tiny-tune", "fedprox_lr0.05_mu0.01-seed3"): ProbeRun(3.0, (2.5,)),
+        ("tiny", "learn2pfed-train-seed3"): ProbeRun(4.0, ()),
+    })
+    lines, learn2pfed, low, high = whole(params, ["tiny"], timings, probe)
+    costs = {(line.runs.stage, line.runs.algorithm): (round(line.cost.run_s, 9), round(line.cost.interval_s, 9))
+             for line in lines}
+    assert costs == {("tune-tiny", "local"): (2.0, 0.5), ("train-tiny", "local"): (2.0, 0.5),
+                     ("tune-tiny", "fedprox"): (2.0, 0.0), ("train-tiny", "fedprox"): (2.0, 0.0)}
+    local = lambda rounds, evals, round_s: 2.0 + rounds * round_s + evals * (0.5 + 0.5)  # noqa: E731
+    fedprox = lambda rounds, evals: 2.0 + rounds * 0.2 + evals * 1.0  # noqa: E731
+    beyond = {"low": 2 * local(10, 2, 0.1) - 2.0 + 6 * fedprox(10, 2) - 3.0 + 3 * local(20, 4, 0.1) - 5.0
+              + 3 * fedprox(20, 4) - 6.0,
+              "high": 2 * local(10, 2, 0.3) - 2.0 + 6 * fedprox(10, 2) - 3.0 + 3 * local(20, 4, 0.3) - 5.0
+              + 3 * fedprox(20, 4) - 6.0}
+    assert learn2pfed == {"tiny": pytest.approx(4.0 * 2)}  # its other seeds
+    assert (low, high) == pytest.approx((30.0 + learn2pfed["tiny"] + beyond["low"], 30.0 + learn2pfed["tiny"] + beyond["high"]))
+    text = report("params.yaml", "cpu", probe, lines, learn2pfed, low, high)
+    assert text.splitlines()[-1].startswith("total: ") and "learn2pfed-tiny" in text
+
+
+def test_a_probe_run_with_one_logged_interval_measures_nothing():
+    assert measured_cost(ProbeRun(3.0, (2.0,)), 5, Timing((0.1,), 0.5)) == measured_cost(None, 5, Timing((0.1,), 0.5))
+
+
+def test_the_steps_of_every_algorithm_are_timed_writing_nothing(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    data = tiny_params(algorithms=["local", "fedprox"], seeds=[0, 1])
-    data["federation"] = {"rounds": 11, "eval_every": 5, "checkpoint_every": 5}
     lines = []
-    platform, estimates = estimate(validate_params(parse_params(data)), "tiny", progress=lines.append)
-    assert [e.algorithm for e in estimates] == ["local", "fedprox"]
+    platform, timings = time_steps(validate_params(parse_params(tiny_params(algorithms=["local", "fedprox"]))), "tiny",
+                                   progress=lines.append)
+    assert list(timings) == ["local", "fedprox"] and "device cpu" in platform
     assert [line.split(":")[1].split("(")[0].strip() for line in lines] == ["timing local", "timing fedprox"]
-    assert all(len(e.round_s) == 3 and min(e.round_s) > 0 and e.evaluation_s > 0 for e in estimates)
-    assert {(e.runs, e.rounds, e.evaluations) for e in estimates} == {(2, 11, 3)}  # rounds 5, 10 and the last
-    text = report("tiny", platform, estimates)
-    assert "device cpu" in text and "3 timed rounds" in text and text.splitlines()[-1].startswith("total")
-    assert " - " in text.splitlines()[-1]  # a range
+    assert all(len(t.round_s) == 3 and min(t.round_s) > 0 and t.evaluation_s > 0 for t in timings.values())
     assert list(tmp_path.iterdir()) == []
 
 
-def test_the_pipeline_estimate_starts_no_prefect_server(tmp_path, monkeypatch, capsys):
-    import yaml
-
+def test_the_pipeline_estimate_runs_its_probe_elsewhere_and_prints_a_total(tmp_path, monkeypatch, capsys):
     import flows.pipeline
 
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "params.yaml").write_text(yaml.safe_dump(tiny_params(algorithms=["fedavg"])))
-    monkeypatch.setattr(flows.pipeline, "prefect_api", lambda: pytest.fail("a Prefect server started"))
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    raw = tiny_params(algorithms=["local", "fedavg"], seeds=[0, 1])
+    raw["tracking"] = {"mlflow_uri": "sqlite:///mlflow.db"}
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(raw))
     assert flows.pipeline.main(["--params", "params.yaml", "--estimate"]) == 0
-    assert "tiny: estimated on device cpu" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "params.yaml: estimated on device cpu" in out
+    probe = next(line for line in out.splitlines() if line.startswith("probe "))
+    assert not probe.rstrip().endswith(" 0 s")  # the probe ran and was timed
+    assert out.splitlines()[-1].startswith("total: ")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["params.yaml"]  # no store, partition or run here
