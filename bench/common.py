@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import resource
 import statistics
 import time
@@ -123,6 +124,18 @@ def p3(reps: int, ns: list[int], k: int, device: str = "cpu") -> dict:
 
 
 RESULTS = Path(__file__).parent / "results"
+
+
+def fresh_env() -> dict[str, str]:
+    """A subprocess's environment as on a fresh shell in a clone: no Prefect server, MLflow store
+    or DVC root inherited, the project importable."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI", "DVC_ROOT")}
+    return {**env, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+
+
+def heading(title: str) -> str:
+    """A results file's first line: what, when and on which machine."""
+    return f"# {title}, {time.strftime('%Y-%m-%d %H:%M')} on {os.uname().nodename} ({os.cpu_count()} cores)"
 
 
 def write_results(name: str, record, text: str) -> None:

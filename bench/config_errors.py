@@ -8,7 +8,6 @@ each answers in one line before Prefect, MLflow or torch load, `tests/test_entry
 
 from __future__ import annotations
 
-import os
 import shutil
 import statistics
 import subprocess
@@ -18,7 +17,7 @@ import time
 from pathlib import Path
 
 import bench  # noqa: F401  (pins the numerics first)
-from bench.common import write_results
+from bench.common import fresh_env, heading, write_results
 
 REPO = Path(__file__).resolve().parents[1]
 BOUND_S = 1.0
@@ -37,10 +36,9 @@ COMMANDS = {
 
 
 def timed(command: list[str], folder: Path) -> tuple[float, int, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI", "DVC_ROOT")}
     start = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", *command], cwd=folder, capture_output=True, text=True,
-                          env={**env, "PYTHONPATH": str(REPO)}, timeout=120)
+                          env=fresh_env(), timeout=120)
     return time.perf_counter() - start, proc.returncode, (proc.stderr.strip().splitlines() or [""])[-1]
 
 
@@ -53,7 +51,7 @@ def main() -> None:
             runs = [timed(command, folder) for _ in range(3)]
             rows.append({"entry point": name, "command": " ".join(command), "median_s": statistics.median(r[0] for r in runs),
                          "exit": runs[0][1], "line": runs[0][2]})
-    lines = [f"# Config errors, {time.strftime('%Y-%m-%d %H:%M')} on {os.uname().nodename} ({os.cpu_count()} cores)", "",
+    lines = [heading("Config errors"), "",
              f"Median of 3 runs of `python -m <command>` in a folder with params.yaml; bound {BOUND_S:g} s.", "",
              "| entry point | command | seconds | within bound | exit | its line |", "|---|---|---|---|---|---|"]
     lines += [f"| {r['entry point']} | `{r['command']}` | {r['median_s']:.2f} | {'yes' if r['median_s'] <= BOUND_S else 'NO'} "

@@ -9,7 +9,6 @@ params file (a fresh MLflow store, as on a fresh clone), one after the other on 
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import shutil
 import subprocess
@@ -19,7 +18,7 @@ import time
 from pathlib import Path
 
 import bench  # noqa: F401  (pins the numerics first)
-from bench.common import write_results
+from bench.common import fresh_env, heading, write_results
 
 REPO = Path(__file__).resolve().parents[1]
 CASES = [("params-quick.yaml", []), ("params-quick.yaml", []), ("params.yaml", ["poly1"])]
@@ -33,12 +32,11 @@ def seconds(text: str) -> float:
 
 def pipeline(params: str, experiments: list[str], *extra: str) -> tuple[float, str]:
     """Its wall time and output, run in a fresh folder."""
-    env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI", "DVC_ROOT")}
     with tempfile.TemporaryDirectory() as tmp:
         shutil.copy(REPO / params, Path(tmp) / params)
         start = time.perf_counter()
         proc = subprocess.run([sys.executable, "-m", "flows.pipeline", "--params", params, *experiments, *extra],
-                              cwd=tmp, capture_output=True, text=True, env={**env, "PYTHONPATH": str(REPO)})
+                              cwd=tmp, capture_output=True, text=True, env=fresh_env())
         wall = time.perf_counter() - start
     if proc.returncode:
         raise SystemExit(f"{params} {experiments} {extra}: exit {proc.returncode}\n{proc.stderr[-2000:]}")
@@ -57,8 +55,7 @@ def main(argv: list[str] | None = None) -> None:
         rows.append({"params": params, "experiments": experiments, "low_s": low, "high_s": high, "wall_s": wall,
                      "estimate_wall_s": estimate_wall, "off": (low + high) / 2 / wall - 1})
         print(rows[-1], flush=True)
-    lines = [f"# --estimate against the run, {time.strftime('%Y-%m-%d %H:%M')} on {os.uname().nodename} "
-             f"({os.cpu_count()} cores)", "",
+    lines = [heading("--estimate against the run"), "",
              "Each case: `python -m flows.pipeline --params <file> [experiments] --estimate`, then the pipeline itself, "
              "each in a fresh folder with a copy of the file, one after the other (`python -m bench.estimate`).", "",
              "| params | experiments | estimate | the run | off by | the estimate took |", "|---|---|---|---|---|---|"]

@@ -32,7 +32,7 @@ def arguments() -> argparse.ArgumentParser:
     parser.add_argument("experiments", nargs="*", help="default: every experiment of the params file")
     parser.add_argument("--estimate", action="store_true",
                         help="print the run's wall-clock time on this machine, writing nothing here: time 3 rounds "
-                             "and an evaluation of each algorithm, and measure the fixed costs by running the "
+                             "and an evaluation of each algorithm, and measure the other costs by running the "
                              "pipeline itself in a temporary folder on the first seed, for two evaluation intervals a run")
     return parser
 
@@ -52,9 +52,8 @@ from flows.stage import prefect_api, stage_main
 from flows.tables import write_tables
 from flows.train import train_experiment
 from flows.tune import tune_flow
-from pfl_tasks.algorithms import validate_params
 import yaml
-
+from pfl_tasks.algorithms import validate_params
 from pfl_tasks.config import Params, load_params, params_snapshot, read_params
 from pfl_tasks.errors import ConfigError
 from pfl_tasks.estimate import Probe, probe_params, probe_runs, report, time_steps, whole
@@ -130,7 +129,7 @@ def where_results(params_path: str, root: str, experiments: list[str] | None) ->
 
 
 def probe(params_path: str, params: Params, chosen: list[str], experiments: list[str]) -> Probe:
-    """The estimate's fixed costs: this file's pipeline (`probe_params`) run in a temporary
+    """The estimate's other costs: this file's pipeline (`probe_params`) run in a temporary
     folder with its own MLflow store, timed."""
     with tempfile.TemporaryDirectory(prefix="pfl-estimate-") as tmp:
         store = f"sqlite:///{Path(tmp).resolve() / 'mlflow.db'}"

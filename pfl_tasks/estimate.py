@@ -7,13 +7,14 @@ Two measurements, neither writing where the pipeline writes:
 - the other costs (`probe_params`, run by `flows.pipeline`): the file's own pipeline in a
   temporary folder with its own MLflow store, every stage as configured but each experiment on
   its first seed, each run for two evaluation intervals and each tuning grid at its first point.
-  Its wall time holds what does not grow with the
-  runs (process start, the Prefect server, prepare, compare, tables). In each training run, the
-  second interval less its steps is an interval's orchestration (Prefect task runs, MLflow
-  logging, a checkpoint), and the run's wall time less both intervals its start and finish.
+  Its wall time holds what does not grow with the runs (process start, the Prefect server,
+  prepare, compare, tables). In each training run, the second interval less its steps is an
+  interval's orchestration (Prefect task runs, MLflow logging, a checkpoint), and the run's wall
+  time less both intervals its start and finish.
 
 The total is the probe's wall time plus what the probe left out: every run at the timed rates
-with those costs, less the probe's own runs, and Learn2pFed's other seeds at the probe's rate. Its range is the fastest and the slowest timed round's.
+with those costs, less the probe's own runs, and Learn2pFed's other seeds at the probe's rate.
+Its range is the fastest and the slowest timed round's.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from pfl_tasks.engine.device import describe
 from pfl_tasks.engine.federation import Federation
 from pfl_tasks.engine.rounds import InlineSteps
 from pfl_tasks.tuning import grids, points, tune_name
+
 
 def built_partition(name: str, cfg, seed: int) -> FederatedData:
     """The partition `prepare` would write, built, written, verified and read back as a stage
