@@ -9,8 +9,10 @@ Two measurements, neither writing where the pipeline writes:
   its first seed, each run for two evaluation intervals and each tuning grid at its first point.
   Its wall time holds what does not grow with the runs (process start, the Prefect server,
   prepare, compare, tables). In each training run, the second interval less its steps is an
-  interval's orchestration (Prefect task runs, MLflow logging, a checkpoint), and the run's wall
-  time less both intervals its start and finish.
+  interval's orchestration (Prefect task runs, MLflow logging, a checkpoint), the run's wall
+  time less both intervals its start and finish, and the median gap between one run's end and the
+  next one's start in the same MLflow experiment what comes between runs (the next flow run, its
+  loading).
 
 The total is the probe's wall time plus what the probe left out: every run at the timed rates
 with those costs, less the probe's own runs, and Learn2pFed's other seeds at the probe's rate.
@@ -147,6 +149,7 @@ def probe_params(raw: dict, params: Params, experiments: list[str], store: str) 
 @dataclass(frozen=True)
 class ProbeRun:
     wall_s: float  # its MLflow run's
+    start_s: float  # when it started, in seconds since the epoch
     logged_s: tuple[float, ...]  # when each batch of its metrics was logged (at its checkpoints), from its start
 
 
@@ -156,6 +159,15 @@ class Probe:
 
     wall_s: float
     runs: dict[tuple[str, str], ProbeRun]  # (MLflow experiment, run name) -> its run
+
+    def between_runs_s(self) -> float:
+        """The median gap from one run's end to the next one's start in the same MLflow
+        experiment: the next run's flow run and loading, which no run's wall time holds."""
+        gaps = []
+        for experiment in {e for e, _ in self.runs}:
+            runs = sorted((r for (e, _), r in self.runs.items() if e == experiment), key=lambda r: r.start_s)
+            gaps += [after.start_s - (before.start_s + before.wall_s) for before, after in zip(runs, runs[1:])]
+        return max(0.0, statistics.median(gaps)) if gaps else 0.0
 
 
 def probe_runs(uri: str) -> dict[tuple[str, str], ProbeRun]:
@@ -169,6 +181,7 @@ def probe_runs(uri: str) -> dict[tuple[str, str], ProbeRun]:
                 key = min(k for k in r.data.metrics if k.startswith("val/"))
                 logged = sorted({m.timestamp for m in client.get_metric_history(r.info.run_id, key)})
                 out[e.name, r.info.run_name] = ProbeRun((r.info.end_time - r.info.start_time) / 1000,
+                                                        r.info.start_time / 1000,
                                                         tuple((t - r.info.start_time) / 1000 for t in logged))
     return out
 
@@ -177,17 +190,18 @@ def probe_runs(uri: str) -> dict[tuple[str, str], ProbeRun]:
 class Cost:
     """A run's measured costs besides its steps."""
 
-    run_s: float  # once a run: its start and finish
+    run_s: float  # once a run: its start and finish, and what comes between it and the next
     interval_s: float  # per evaluation interval: Prefect task runs, MLflow logging, a checkpoint
 
 
-def measured_cost(run: ProbeRun | None, interval_rounds: int, t: Timing) -> Cost:
+def measured_cost(run: ProbeRun | None, interval_rounds: int, t: Timing, between_s: float) -> Cost:
     """From the probe run's two intervals: the second, less its steps, is an interval's
-    orchestration; the run's wall time less both intervals is its start and finish."""
+    orchestration; the run's wall time less both intervals, plus `between_s`, is its start and
+    finish."""
     if run is None or len(run.logged_s) < 2:
-        return Cost(0.0, 0.0)
+        return Cost(between_s, 0.0)
     interval = run.logged_s[1] - run.logged_s[0]
-    return Cost(max(0.0, run.wall_s - 2 * interval),
+    return Cost(max(0.0, run.wall_s - 2 * interval) + between_s,
                 max(0.0, interval - interval_rounds * statistics.median(t.round_s) - t.evaluation_s))
 
 
@@ -206,7 +220,7 @@ def whole(params: Params, experiments: list[str], timings: dict[str, dict[str, T
           probe: Probe) -> tuple[list[Line], dict[str, float], float, float]:
     """Each stage's runs per algorithm, Learn2pFed's seconds beyond the probe per experiment, and
     the whole run's low and high totals."""
-    lines, learn2pfed = [], {}
+    lines, learn2pfed, between_s = [], {}, probe.between_runs_s()
     for experiment in experiments:
         exp = params.experiment(experiment)
         methods = {(experiment, name): name for name in exp.algorithms}  # (MLflow experiment, run) -> method
@@ -216,12 +230,12 @@ def whole(params: Params, experiments: list[str], timings: dict[str, dict[str, T
         for runs in planned_runs(params, experiment):
             t = timings[experiment][runs.algorithm]
             trained = probed.get((experiment, runs.algorithm))
-            cost = measured_cost(trained, probe_interval(exp.for_run(runs.algorithm).federation), t)
+            cost = measured_cost(trained, probe_interval(exp.for_run(runs.algorithm).federation), t, between_s)
             mine = trained if runs.stage.startswith("train-") else probed.get((tune_name(experiment), runs.algorithm))
 
             def total(round_s):
                 each = cost.run_s + runs.rounds * round_s + runs.evaluations * (t.evaluation_s + cost.interval_s)
-                return runs.count * each - (mine.wall_s if mine else 0.0)
+                return runs.count * each - (mine.wall_s + between_s if mine else 0.0)
             lines.append(Line(runs, t, cost, total(min(t.round_s)), total(max(t.round_s))))
         if experiment in params.learn2pfed:
             seconds = sum(run.wall_s for (e, name), run in probe.runs.items()
@@ -260,6 +274,6 @@ def report(params_path: str, platform: str, probe: Probe, lines: list[Line], lea
                    f"{duration(seconds):>17}")
     out.append(f"{'probe':<16} {'':<12} {'':>52}  {'its wall time':<29}  {duration(probe.wall_s):>17}")
     out.append(f"total: {span(low, high)} (interval: an evaluation interval's orchestration, Prefect task runs, "
-               "MLflow logging and a checkpoint; run: a run's start and finish; both measured in the probe; a busier "
+               "MLflow logging and a checkpoint; run: a run's start and finish and the gap to the next; all measured in the probe; a busier "
                "machine stretches every figure)")
     return "\n".join(out)

@@ -44,25 +44,27 @@ def test_the_probe_is_the_pipeline_on_the_first_seed_for_two_intervals_a_run():
 def test_the_whole_run_is_the_probe_plus_every_run_less_the_probes_own():
     params = validate_params(parse_params(tuned_raw()))
     timings = {"tiny": {"local": Timing((0.1, 0.1, 0.3), 0.5), "fedprox": Timing((0.2, 0.2, 0.2), 1.0)}}
-    # the probe's runs: 2 intervals of 5 rounds; metrics logged at each interval's end
+    # the probe's runs: 2 intervals of 5 rounds; metrics logged at each interval's end; 1 s between runs
+    # in an experiment, 8 s from the train stage to Learn2pFed's (a median ignores it)
     probe = Probe(30.0, {
-        ("tiny", "local-seed3"): ProbeRun(5.0, (2.0, 3.5)),  # interval 1.5 s: 5 x 0.1 + 0.5 steps, 0.5 orchestration
-        ("tiny", "fedprox-seed3"): ProbeRun(6.0, (2.5, 4.5)),  # interval 2.0 s: 5 x 0.2 + 1.0 steps, nothing else
-        ("tiny-tune", "local_lr0.05-seed3"): ProbeRun(2.0, (1.5,)),
-        ("tiny-tune", "fedprox_lr0.05_mu0.01-seed3"): ProbeRun(3.0, (2.5,)),
-        ("tiny", "learn2pfed-train-seed3"): ProbeRun(4.0, ()),
+        ("tiny", "local-seed3"): ProbeRun(5.0, 100.0, (2.0, 3.5)),  # interval 1.5 s: 5 x 0.1 + 0.5 steps, 0.5 orchestration
+        ("tiny", "fedprox-seed3"): ProbeRun(6.0, 106.0, (2.5, 4.5)),  # interval 2.0 s: 5 x 0.2 + 1.0 steps, nothing else
+        ("tiny-tune", "local_lr0.05-seed3"): ProbeRun(2.0, 50.0, (1.5,)),
+        ("tiny-tune", "fedprox_lr0.05_mu0.01-seed3"): ProbeRun(3.0, 53.0, (2.5,)),
+        ("tiny", "learn2pfed-train-seed3"): ProbeRun(4.0, 120.0, ()),
     })
+    assert probe.between_runs_s() == 1.0
     lines, learn2pfed, low, high = whole(params, ["tiny"], timings, probe)
     costs = {(line.runs.stage, line.runs.algorithm): (round(line.cost.run_s, 9), round(line.cost.interval_s, 9))
              for line in lines}
-    assert costs == {("tune-tiny", "local"): (2.0, 0.5), ("train-tiny", "local"): (2.0, 0.5),
-                     ("tune-tiny", "fedprox"): (2.0, 0.0), ("train-tiny", "fedprox"): (2.0, 0.0)}
-    local = lambda rounds, evals, round_s: 2.0 + rounds * round_s + evals * (0.5 + 0.5)  # noqa: E731
-    fedprox = lambda rounds, evals: 2.0 + rounds * 0.2 + evals * 1.0  # noqa: E731
-    beyond = {"low": 2 * local(10, 2, 0.1) - 2.0 + 6 * fedprox(10, 2) - 3.0 + 3 * local(20, 4, 0.1) - 5.0
-              + 3 * fedprox(20, 4) - 6.0,
-              "high": 2 * local(10, 2, 0.3) - 2.0 + 6 * fedprox(10, 2) - 3.0 + 3 * local(20, 4, 0.3) - 5.0
-              + 3 * fedprox(20, 4) - 6.0}
+    assert costs == {("tune-tiny", "local"): (3.0, 0.5), ("train-tiny", "local"): (3.0, 0.5),
+                     ("tune-tiny", "fedprox"): (3.0, 0.0), ("train-tiny", "fedprox"): (3.0, 0.0)}
+    local = lambda rounds, evals, round_s: 3.0 + rounds * round_s + evals * (0.5 + 0.5)  # noqa: E731
+    fedprox = lambda rounds, evals: 3.0 + rounds * 0.2 + evals * 1.0  # noqa: E731
+    beyond = {"low": 2 * local(10, 2, 0.1) - 3.0 + 6 * fedprox(10, 2) - 4.0 + 3 * local(20, 4, 0.1) - 6.0
+              + 3 * fedprox(20, 4) - 7.0,
+              "high": 2 * local(10, 2, 0.3) - 3.0 + 6 * fedprox(10, 2) - 4.0 + 3 * local(20, 4, 0.3) - 6.0
+              + 3 * fedprox(20, 4) - 7.0}
     assert learn2pfed == {"tiny": pytest.approx(4.0 * 2)}  # its other seeds
     assert (low, high) == pytest.approx((30.0 + learn2pfed["tiny"] + beyond["low"], 30.0 + learn2pfed["tiny"] + beyond["high"]))
     text = report("params.yaml", "cpu", probe, lines, learn2pfed, low, high)
@@ -70,7 +72,9 @@ def test_the_whole_run_is_the_probe_plus_every_run_less_the_probes_own():
 
 
 def test_a_probe_run_with_one_logged_interval_measures_nothing():
-    assert measured_cost(ProbeRun(3.0, (2.0,)), 5, Timing((0.1,), 0.5)) == measured_cost(None, 5, Timing((0.1,), 0.5))
+    one = ProbeRun(3.0, 0.0, (2.0,))
+    assert measured_cost(one, 5, Timing((0.1,), 0.5), 1.0) == measured_cost(None, 5, Timing((0.1,), 0.5), 1.0)
+    assert measured_cost(one, 5, Timing((0.1,), 0.5), 1.0).run_s == 1.0  # what comes between runs is still there
 
 
 def test_the_steps_of_every_algorithm_are_timed_writing_nothing(tmp_path, monkeypatch):
