@@ -15,6 +15,8 @@ Default parameters are validated against the params files before anything is reg
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
 
 from flows.environment import local_defaults
@@ -88,6 +90,26 @@ def deployments(cron: str, sweep: SweepConfig, sweep_cron: str | None, params_fi
     }
 
 
+def stop_at_once_if_the_server_died(signum: int, frame) -> None:
+    """Ctrl-C. While the Prefect server answers, Prefect's own shutdown (it pauses the schedules).
+    When the server has died, that shutdown would wait on it for good: say so in one line, stop
+    the flow runs this process started (SIGTERM, then at most 30 s) and exit."""
+    import psutil
+
+    try:
+        check_prefect_api()
+    except ConfigError as err:
+        print(f"serve stopped at Ctrl-C, its schedules left as they were: {err}", file=sys.stderr, flush=True)
+        runs = psutil.Process().children(recursive=True)
+        for run in runs:
+            run.terminate()
+        _, alive = psutil.wait_procs(runs, timeout=30)
+        for run in alive:
+            run.kill()
+        os._exit(128 + signum)
+    signal.default_int_handler(signum, frame)
+
+
 def main(argv: list[str] | None = None) -> int:
     from prefect import serve
 
@@ -98,6 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, ConfigError) as err:
         print(f"serve failed: {err}", file=sys.stderr)
         return 2
+    # asyncio.run installs no handler over it; and Ctrl-C works where a shell started this with SIGINT ignored
+    signal.signal(signal.SIGINT, stop_at_once_if_the_server_died)
     serve(*(d for name, d in chosen.items() if not args.only or name in args.only))
     return 0
 

@@ -105,3 +105,55 @@ def test_the_default_sweep_is_one_of_params_yaml():
     from pfl_tasks.grid import sweep_params
 
     assert validate_params(parse_params(sweep_params(DEFAULT_SWEEP))).experiments
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_serve_and_pauses_its_schedules_or_at_once_when_the_server_died(project, tmp_path):
+    """Ctrl-C while the server answers: Prefect's shutdown, which pauses the deployments. Ctrl-C
+    after the server died: one line and exit, instead of a shutdown that waits on the server."""
+    import signal
+    import subprocess
+    from datetime import datetime, timezone
+
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    write_params(project)
+    port = free_port()
+    api = f"http://127.0.0.1:{port}/api"
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect-home"), "PREFECT_API_URL": api,
+           "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PYTHONPATH": str(REPO)}
+    server = [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)]
+    serve = [sys.executable, "-m", "flows.serve", "--only", "sweep", "--params-file", "params.yaml", "--sweep",
+             SweepConfig(name="t", experiment="tiny", algorithms=["fedavg"], seeds=[0]).model_dump_json()]
+
+    def serving(log: Path) -> subprocess.Popen:
+        """serve, once its runner has polled the server."""
+        started = datetime.now(timezone.utc)
+        proc = subprocess.Popen(serve, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env, cwd=project)
+        deadline = time.monotonic() + 120
+        with get_client(sync_client=True) as client:
+            while True:
+                try:
+                    polled = client.read_deployment_by_name("pfl-sweep/sweep").last_polled
+                    if polled and polled > started:
+                        return proc
+                except Exception:  # not registered yet
+                    pass
+                assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+                time.sleep(0.5)
+
+    with background_server(server, f"{api}/health", tmp_path / "server.log", env) as prefect_server, \
+            temporary_settings({PREFECT_API_URL: api}):
+        first = serving(tmp_path / "first.log")
+        first.send_signal(signal.SIGINT)
+        assert first.wait(120) == 0, (tmp_path / "first.log").read_text()[-3000:]
+        with get_client(sync_client=True) as client:
+            assert client.read_deployment_by_name("pfl-sweep/sweep").paused
+        second = serving(tmp_path / "second.log")
+        prefect_server.terminate()
+        prefect_server.wait(60)
+        second.send_signal(signal.SIGINT)
+        assert second.wait(120) == 128 + signal.SIGINT
+    last = (tmp_path / "second.log").read_text().splitlines()[-1]
+    assert last.startswith("serve stopped at Ctrl-C, its schedules left as they were: PREFECT_API_URL="), last
