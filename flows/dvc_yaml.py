@@ -97,9 +97,11 @@ def train_stage(params, raw: dict, experiment: str) -> dict:
         "params": run_keys(params, raw, experiment),
         # the learning curves are data (the reports draw them): DVC's own plots would be Vega
         # charts that load their scripts from a CDN, blank offline
+        # each run's headline is an output, not DVC metrics: `dvc exp show` shows reports/ranking.json's
+        # means, not a column per run and seed
         "outs": [{f"models/{experiment}": {"persist": True}},
-                 {f"plots/{experiment}": {"cache": False, "persist": True}}],
-        "metrics": [{f"metrics/{experiment}": {"cache": False, "persist": True}}],
+                 {f"plots/{experiment}": {"cache": False, "persist": True}},
+                 {f"metrics/{experiment}": {"cache": False, "persist": True}}],
     }
 
 
@@ -111,8 +113,8 @@ def learn2pfed_stage(params, experiment: str) -> dict:
                  *map(str, learn2pfed_code(params, experiment))],
         "params": ["seed", f"experiments.{experiment}", f"learn2pfed.{experiment}"],
         "outs": [{f"models/learn2pfed/{experiment}": {"persist": True}},
-                 {f"plots/learn2pfed/{experiment}": {"cache": False}}],
-        "metrics": [{f"metrics/learn2pfed/{experiment}": {"cache": False}}],
+                 {f"plots/learn2pfed/{experiment}": {"cache": False}},
+                 {f"metrics/learn2pfed/{experiment}": {"cache": False}}],
     }
 
 
@@ -172,13 +174,13 @@ def stages(params_path: str = "params.yaml") -> dict:
     if params.tables:
         out["tables"] = {  # the comparison tables: methods x experiments, from MLflow as compare
             "cmd": "python -m flows.tables", "deps": reads + list(map(str, run_code(ROOT / "flows/tables.py"))),
-            "params": ["tables", "tracking", "experiments", *verdicts], "metrics": [{"reports/tables": {"cache": False}}],
-            "outs": [{"reports/markdown": {"cache": False}}],
+            "params": ["tables", "tracking", "experiments", *verdicts],
+            "outs": [{"reports/tables": {"cache": False}}, {"reports/markdown": {"cache": False}}],
         }
     out["compare"] = {  # per experiment, from MLflow: ranking over seeds, learning curves, per-client spread
         "cmd": "python -m flows.compare", "deps": reads + list(map(str, run_code(ROOT / "flows/compare.py"))),
         "params": ["tracking", "experiments", *verdicts], "outs": [{"reports/compare": {"cache": False}}],
-        "metrics": [{"reports/ranking.json": {"cache": False}}],  # each method's mean: for `dvc exp show`
+        "metrics": [{"reports/ranking.json": {"cache": False}}],  # DVC's only metrics: `dvc exp show`'s columns
         "plots": [{"reports/figures": {"cache": False}}],
     }
     return {"stages": out}

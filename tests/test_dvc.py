@@ -190,6 +190,11 @@ def test_dvc_exp_run_S_changes_a_default_hyper_parameter_and_reruns_only_its_run
     assert "tiny: 3 of 4 runs already finished under the same config, data and code: kept" in out
     assert {alg for alg, run in before.items() if pinned(root, alg) != run} == {"ditto"}
     assert json.loads(ditto.read_text())["val"] != score
+    # the README's `dvc exp diff`: the param varied and the means it moved, a row each; DVC's
+    # metrics are the methods' means, not a column per run and seed
+    diff = sh([sys.executable, "-m", "dvc", "exp", "diff", "--md"], root, env)
+    assert "algorithms.ditto.mu" in diff and "tiny.ditto.mean" in diff and "seed" not in diff, diff
+    assert max(map(len, diff.splitlines())) <= 120
 
 
 def test_dvc_exp_run_S_with_a_new_key_reruns_its_runs(repo_copy):
