@@ -83,6 +83,7 @@ class Problems:
     upstream: str  # hash of the upstream checkpoint ("" for regression)
     data_hash: str
     partition: str
+    client_names: tuple[str, ...]
 
 
 def learn2pfed_code(params, experiment: str) -> list[Path]:
@@ -182,7 +183,7 @@ def build_problems(exp, params, cfg: Learn2pFedConfig, supervision: str, root: P
         print(f"{exp.name} seed {exp.seed}: learn2pfed-val: clients {single} have one validation row, which both "
               "fits the meta loss and selects the meta-epoch", file=sys.stderr)
     test = padded_problem(data.test, features(data.test.x), n_classes, name="test")
-    return Problems(train, supervise, select, test, w0, upstream, data.manifest_hash, data.partition)
+    return Problems(train, supervise, select, test, w0, upstream, data.manifest_hash, data.partition, data.client_names)
 
 
 def selection_scores(problems: Problems, v: torch.Tensor) -> tuple[dict[str, float], tuple[float, float]]:
@@ -319,7 +320,7 @@ def learn2pfed_flow(experiment: str, supervision: str, seed: int, params_path: s
             final.update({f"participation/lam_mean_{j}": v for j, v in enumerate(lam.mean((0, 1)).tolist())})
 
         def artifacts(tmp: Path) -> None:
-            write_client_tables(tmp, tables)
+            write_client_tables(tmp, tables, problems.client_names)
             table = participation_table(initial_cells(), selected, problems.train)
             write_csv(tmp / PARTICIPATION_CSV, table)
             fig = participation_figure_of({f"{run_name}, seed {seed}": pd.DataFrame(table)},

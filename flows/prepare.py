@@ -57,6 +57,12 @@ def prepare(dataset: str, params_path: str = "params.yaml", out_root: Path = PAR
         counts = [c["train"] + c["val"] + c["test"] for c in manifest["clients"]]
         print(f"{dataset} seed {seed}: {len(table)} samples, {manifest['n_clients']} clients "
               f"(sizes {min(counts)}..{max(counts)}) -> {out}")
+    source = params.datasets[dataset].source
+    if source.name == "file":
+        features = table.filter(regex=r"^f\d+$")
+        print(f"{dataset}: features as they are in {source.path}, not scaled: values {features.min().min():.3g}.."
+              f"{features.max().max():.3g}, column std {features.std().min():.3g}..{features.std().max():.3g} "
+              "(the learning rates suit unit scale: scale them in the file if these are far from it)")
     return folder
 
 

@@ -21,17 +21,19 @@ from pfl_tasks.selection import PRIMARY
 CLIENTS_CSV = {"last": "clients_last.csv", "selected": "clients_selected.csv"}
 
 
-def write_client_tables(folder: Path, tables: dict[str, dict]) -> None:
-    """`CLIENTS_CSV`'s files in `folder`, from the per-client metrics of the last and selected rounds."""
+def write_client_tables(folder: Path, tables: dict[str, dict], names: tuple[str, ...] = ()) -> None:
+    """`CLIENTS_CSV`'s files in `folder`, from the per-client metrics of the last and selected
+    rounds; `names`: the clients' own ids, where the data has them."""
     for when, name in CLIENTS_CSV.items():
-        write_csv(folder / name, per_client_rows(tables[when]))
+        write_csv(folder / name, per_client_rows(tables[when], names))
 
 
-def per_client_rows(metrics: dict[str, dict[str, dict[str, torch.Tensor]]]) -> list[dict]:
-    """One row per client: its validation and test sizes and metrics (`test_personalized_acc`, ...)."""
+def per_client_rows(metrics: dict[str, dict[str, dict[str, torch.Tensor]]], names: tuple[str, ...] = ()) -> list[dict]:
+    """One row per client: its own id (`client`, given `names`), its validation and test sizes
+    and metrics (`test_personalized_acc`, ...)."""
     rows = []
     for k in range(len(next(iter(metrics.values()))["personalized"]["n"])):
-        row = {"client_id": k}
+        row = {"client_id": k, **({"client": names[k]} if names else {})}
         for split, models in metrics.items():
             row[f"n_{split}"] = int(models["personalized"]["n"][k])
             for kind, values_of in models.items():

@@ -216,7 +216,7 @@ def train_run(
                  "selected/personalized_is_global": float(personalized_is_global(tables["selected"]))}
 
         def artifacts(tmp: Path) -> None:
-            write_client_tables(tmp, tables)
+            write_client_tables(tmp, tables, data.client_names)
             learning_curve_png(tmp / "learning_curve.png", history, data.task, f"{exp.name}: {run_name}")
 
         run.finish(final, dvc_curve(history, data.task), artifacts)

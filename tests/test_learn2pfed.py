@@ -349,7 +349,7 @@ def test_the_meta_epoch_is_selected_on_validation_never_test():
     key = "val/personalized/mse_mean"
 
     def run(test_rows):
-        problems = Problems(train, train, val, test_rows, torch.zeros(4, dtype=torch.float64), "", "", "")
+        problems = Problems(train, train, val, test_rows, torch.zeros(4, dtype=torch.float64), "", "", "", ())
         cells = Cells(train, l2p.cells, l2p.tied, l2p.init.model_dump(), torch.Generator().manual_seed(0))
         opt, selection = make_optimizer(cells, l2p.meta), Selection(higher_is_better=False)
         history = meta_epochs.fn(cells, opt, l2p, problems, 0, 60, selection)

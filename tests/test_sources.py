@@ -4,14 +4,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from pydantic import ValidationError
 
 from pfl_tasks.config import DatasetConfig, FashionMNISTSource
-from pfl_tasks.data import build_partition
+from pfl_tasks.data import build_partition, load_partition, write_partition
 from pfl_tasks.data.partition import chronological_split, standardize_by_train
 from pfl_tasks.data.schema import validate_partition
 from pfl_tasks.data.sources import RawDataset, chicago, fashion_mnist
 from pfl_tasks.errors import DataValidationError, PartitionError, SourceError
+from pfl_tasks.outputs import per_client_rows
 
 RNG = np.random.default_rng(0)
 
@@ -229,6 +231,14 @@ def test_a_table_of_your_own_is_partitioned_by_its_client_column_or_the_configur
     sites = rows["site"].to_numpy()
     counts = [c["train"] + c["val"] + c["test"] for c in manifest["clients"]]
     assert counts == [int((sites == s).sum()) for s in sorted(set(sites))]  # each site a client, in order
+    # the sites' own ids go with them: the manifest, the loaded partition, each run's per-client CSVs
+    names = [str(s) for s in sorted(set(sites))]
+    assert [c["name"] for c in manifest["clients"]] == names
+    write_partition(df, manifest, tmp_path / "partition")
+    data = load_partition(tmp_path / "partition")
+    assert data.client_names == tuple(names)
+    metrics = {"test": {"personalized": {"n": torch.ones(4), "acc": torch.full((4,), 0.5)}}}
+    assert [row["client"] for row in per_client_rows(metrics, data.client_names)] == names
     first = df.sort_values("sample_id").iloc[0]
     assert first["label"] == int(rows["species"][0] == "virginica")  # classes numbered in sorted order
     assert np.allclose([first["f0"], first["f1"]], rows[["a", "b"]].iloc[0], atol=1e-6)
@@ -241,7 +251,28 @@ def test_a_table_of_your_own_is_partitioned_by_its_client_column_or_the_configur
          "partition": {"kind": "iid", "n_clients": 3}})
     df, manifest = build_partition("own", spread, seed=0)
     assert manifest["n_clients"] == 3 and manifest["task"] == "regression"
+    assert "name" not in manifest["clients"][0]  # a partitioner's clients have no names of their own
     assert manifest["feature_shape"] == [4]  # every other column: a, b, c, site (the label excluded)
+
+
+def test_prepare_says_that_your_own_features_are_not_scaled_and_their_range(tmp_path, capsys):
+    import yaml
+
+    from flows.prepare import prepare
+
+    rows = own_rows()
+    rows["a"] *= 1000
+    rows.to_csv(tmp_path / "own.csv", index=False)
+    params = {"seed": 0, "datasets": {"own": {"source": {
+        "name": "file", "path": str(tmp_path / "own.csv"), "task": "classification", "label": "species",
+        "client": "site", "features": ["a", "b"]}}}, "experiments": {}}
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
+    prepare("own", str(tmp_path / "params.yaml"), tmp_path / "partitions")
+    line = capsys.readouterr().out.splitlines()[-1]
+    a, b = rows["a"], rows["b"]
+    assert line.startswith(f"own: features as they are in {tmp_path / 'own.csv'}, not scaled: values "
+                           f"{min(a.min(), b.min()):.3g}..{max(a.max(), b.max()):.3g}, column std "
+                           f"{b.std():.3g}..{a.std():.3g}"), line
 
 
 def test_an_npz_of_your_own_keeps_its_feature_shape(tmp_path):

@@ -53,6 +53,8 @@ def build_partition(name: str, cfg: DatasetConfig, seed: int) -> tuple[pd.DataFr
     df = df.sort_values(["client_id", "sample_id"], kind="stable").reset_index(drop=True)
     n_clients = int(client.max()) + 1
     validate_partition(df, data.task, data.n_classes, n_clients)
+    # a natural partition's client k is the source's k-th client id in sorted order (`assign_clients`)
+    names = np.unique(data.groups) if cfg.partition.kind == "natural" else None
     manifest = {
         "dataset": name,
         "seed": seed,
@@ -62,7 +64,7 @@ def build_partition(name: str, cfg: DatasetConfig, seed: int) -> tuple[pd.DataFr
         "n_classes": data.n_classes,
         "feature_shape": list(data.feature_shape),
         "n_clients": n_clients,
-        "clients": _client_summary(df, data),
+        "clients": _client_summary(df, data, names),
         "group_scale": scale,  # standardized sources: each group's train {mean, std}
     }
     return df, manifest
@@ -98,6 +100,7 @@ class FederatedData:
     test: ClientSplit  # only reported
     manifest_hash: str
     partition: str = ""  # e.g. "dirichlet(alpha=0.3, min_samples=20, n_clients=20)"
+    client_names: tuple[str, ...] = ()  # a natural partition's: the source's client ids, in client order
 
     @property
     def n_clients(self) -> int:
@@ -119,6 +122,7 @@ class ClientEntry(BaseModel):
     val: NonNegative
     test: NonNegative
     labels: list[NonNegative] | None = None  # classification: rows per class
+    name: str | None = None  # a natural partition's: the source's client id
 
 
 class Manifest(BaseModel):
@@ -209,6 +213,7 @@ def load_partition(directory: Path) -> FederatedData:
         **{split: _client_split(df[df["split"] == split], manifest.n_clients, shape) for split in SPLITS},
         manifest_hash=manifest.table_sha256[:16],
         partition=_describe(manifest.config["partition"]),
+        client_names=tuple(c.name for c in manifest.clients) if all(c.name for c in manifest.clients) else (),
     )
 
 
@@ -249,11 +254,12 @@ def _client_split(df: pd.DataFrame, n_clients: int, shape: tuple[int, ...]) -> C
     )
 
 
-def _client_summary(df: pd.DataFrame, data: RawDataset) -> list[dict]:
+def _client_summary(df: pd.DataFrame, data: RawDataset, names: np.ndarray | None) -> list[dict]:
     summary = []
     for k, rows in df.groupby("client_id"):
         entry = {
             "client_id": int(k),
+            **({"name": str(names[k])} if names is not None else {}),
             **{split: int((rows["split"] == split).sum()) for split in SPLITS},
         }
         if data.task == "classification":
