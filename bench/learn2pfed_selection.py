@@ -44,7 +44,7 @@ def least_squares(train, test) -> dict[str, float]:
 
 def one_run(cfg, train, val, test, supervision: str, seed: int) -> dict:
     supervise, select, _ = (train, val, []) if supervision == "train" else split_validation(val)
-    rows = Problems(train, supervise, select, test, torch.zeros(train.dim, dtype=torch.float64), "", "", "")
+    rows = Problems(train, supervise, select, test, torch.zeros(train.dim, dtype=torch.float64), "", "", "", ())
     cells = Cells(train, cfg.cells, cfg.tied, cfg.init.model_dump(), torch.Generator().manual_seed(seed), cfg.lambda_)
     opt, best = make_optimizer(cells, cfg.meta), Selection(higher_is_better=False)
     initial = client_metrics(test, personalized_models(cells, train, rows.w0, cfg))["mse"].mean().item()

@@ -15,6 +15,7 @@ Default parameters are validated against the params files before anything is reg
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import sys
@@ -24,6 +25,8 @@ from flows.precheck import pin_numerics_first
 
 if __name__ == "__main__":  # before Prefect and MLflow load: they read their settings then
     local_defaults()
+
+import psutil
 
 from pfl_tasks.config import SweepConfig
 from pfl_tasks.errors import ConfigError
@@ -94,18 +97,19 @@ def stop_at_once_if_the_server_died(signum: int, frame) -> None:
     """Ctrl-C. While the Prefect server answers, Prefect's own shutdown (it pauses the schedules).
     When the server has died, that shutdown would wait on it for good: say so in one line, stop
     the flow runs this process started (SIGTERM, then at most 30 s) and exit."""
-    import psutil
-
     try:
         check_prefect_api()
     except ConfigError as err:
-        print(f"serve stopped at Ctrl-C, its schedules left as they were: {err}", file=sys.stderr, flush=True)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C does not start this again
+        os.write(2, f"serve stopped at Ctrl-C, its schedules left as they were: {err}\n".encode())
         runs = psutil.Process().children(recursive=True)
         for run in runs:
-            run.terminate()
+            with contextlib.suppress(psutil.NoSuchProcess):
+                run.terminate()
         _, alive = psutil.wait_procs(runs, timeout=30)
         for run in alive:
-            run.kill()
+            with contextlib.suppress(psutil.NoSuchProcess):
+                run.kill()
         os._exit(128 + signum)
     signal.default_int_handler(signum, frame)
 

@@ -9,8 +9,9 @@ for the column's best, marked ≈ when not significantly different from it, † 
 personalized model is the global one and ✓ on the column's best on validation; a method not
 ranked says why ("diverged at round R", "too few rounds aggregated: A of R").
 Writes `reports/markdown/<table>.md`, the same table for a paper as `<table>.tex` (a booktabs
-tabular) and `<table>.csv` (long form, every number unrounded), and the DVC metrics `reports/tables/<table>/<method>.json`
-(`dvc metrics show --md reports/tables/<table>`: a row per method), and logs the table and
+tabular) and `<table>.csv` (long form, every number unrounded), and a JSON per row
+`reports/tables/<table>/<method>.json` (`dvc metrics show --md reports/tables/<table>`: a row per
+method), and logs the table and
 every cell's numbers to MLflow (experiment `tables`).
 
     python -m flows.tables
@@ -92,7 +93,7 @@ def markdown(name: str, rows: dict[str, dict[str, dict]], columns: list[str], ru
 
 
 def write_dvc_table(folder: Path, rows: dict) -> None:
-    """The table as DVC metrics: a file per method (`dvc metrics show` prints a row each),
+    """The table as JSON: a file per method (`dvc metrics show <folder>` prints a row each),
     holding per experiment the cell's mean, 95% CI and seeds (the marks are in the markdown)."""
     folder.mkdir(parents=True, exist_ok=True)
     for stale in folder.glob("*.json"):  # methods no longer in the table

@@ -238,7 +238,7 @@ def whole(params: Params, experiments: list[str], timings: dict[str, dict[str, T
                 return runs.count * each - (mine.wall_s + between_s if mine else 0.0)
             lines.append(Line(runs, t, cost, total(min(t.round_s)), total(max(t.round_s))))
         if experiment in params.learn2pfed:
-            seconds = sum(run.wall_s for (e, name), run in probe.runs.items()
+            seconds = sum(run.wall_s + between_s for (e, name), run in probe.runs.items()
                           if e == experiment and name.startswith("learn2pfed-"))
             learn2pfed[experiment] = seconds * (len(exp.seeds) - 1)
     fixed = probe.wall_s + sum(learn2pfed.values())

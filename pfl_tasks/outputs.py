@@ -1,4 +1,4 @@
-"""A run's outputs beside MLflow: its DVC metrics file (the headline, pinned to its MLflow run) and
+"""A run's outputs beside MLflow: its headline file (the headline, pinned to its MLflow run) and
 curve, per-client CSVs, the learning-curve PNG, the console line of an evaluation and the
 progress bar."""
 
@@ -64,8 +64,8 @@ def json_text(record: dict) -> str:
     return json.dumps(clean(record), indent=1, sort_keys=True, allow_nan=False)
 
 
-# a run's DVC metrics file: its headline under short keys (`dvc metrics show` and `dvc exp show`
-# fit a terminal; MLflow has every summary): the round selected on validation, the personalized
+# a run's headline file, a DVC output: its headline under short keys (`dvc metrics show <path>`
+# fits a terminal; MLflow has every summary): the round selected on validation, the personalized
 # model's mean metric there (accuracy or MSE, the task's) on validation and test, the global
 # model's on test, the worst 10% of clients on test (the plateau verdict is the reports', under
 # the configured `verdicts.plateau`)
@@ -87,7 +87,7 @@ def pin(run_id: str) -> dict[str, list[str]]:
 
 
 def pinned_run(record: dict) -> str | None:
-    """The MLflow run a DVC metrics file's numbers are."""
+    """The MLflow run a headline file's numbers are."""
     return (record.get(PINNED_RUN) or [None])[0]
 
 

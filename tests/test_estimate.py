@@ -2,6 +2,8 @@
 probe (the file's own pipeline, shortened, in a temporary folder), multiplied out to the whole
 run, writing nothing where the pipeline writes."""
 
+import time
+
 import pytest
 import yaml
 from conftest import tiny_params
@@ -65,7 +67,7 @@ def test_the_whole_run_is_the_probe_plus_every_run_less_the_probes_own():
               + 3 * fedprox(20, 4) - 7.0,
               "high": 2 * local(10, 2, 0.3) - 3.0 + 6 * fedprox(10, 2) - 4.0 + 3 * local(20, 4, 0.3) - 6.0
               + 3 * fedprox(20, 4) - 7.0}
-    assert learn2pfed == {"tiny": pytest.approx(4.0 * 2)}  # its other seeds
+    assert learn2pfed == {"tiny": pytest.approx((4.0 + 1.0) * 2)}  # its other seeds, each with the gap before it
     assert (low, high) == pytest.approx((30.0 + learn2pfed["tiny"] + beyond["low"], 30.0 + learn2pfed["tiny"] + beyond["high"]))
     text = report("params.yaml", "cpu", probe, lines, learn2pfed, low, high)
     assert text.splitlines()[-1].startswith("total: ") and "learn2pfed-tiny" in text
@@ -96,8 +98,14 @@ def test_the_pipeline_estimate_runs_its_probe_elsewhere_and_prints_a_total(tmp_p
     raw = tiny_params(algorithms=["local", "fedavg"], seeds=[0, 1])
     raw["tracking"] = {"mlflow_uri": "sqlite:///mlflow.db"}
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(raw))
+    probes, probe_of = [], flows.pipeline.probe
+    monkeypatch.setattr(flows.pipeline, "probe", lambda *args: probes.append(probe_of(*args)) or probes[-1])
+    started = time.time()
     assert flows.pipeline.main(["--params", "params.yaml", "--estimate"]) == 0
     out = capsys.readouterr().out
+    runs = probes[0].runs.values()  # its MLflow times read in seconds
+    assert runs and all(started < run.start_s < run.start_s + run.wall_s < time.time() for run in runs)
+    assert 0 <= probes[0].between_runs_s() < probes[0].wall_s
     assert "params.yaml: estimated on device cpu" in out
     probe = next(line for line in out.splitlines() if line.startswith("probe "))
     assert not probe.rstrip().endswith(" 0 s")  # the probe ran and was timed

@@ -52,6 +52,23 @@ def test_sweep_parameters_are_validated_like_params_yaml(tmp_path):
         SweepConfig(name="../escape", experiment="tiny")
 
 
+SWEEP = {"name": "t", "experiment": "tiny", "algorithms": ["fedavg"], "seeds": [0]}
+
+
+def serving_setup(project: Path, tmp_path: Path, sweep: dict) -> tuple[str, dict, list[str], list[str]]:
+    """The project's params file, and a Prefect server's API URL, environment and command on a
+    free loopback port, with `flows.serve`'s command serving `sweep` to it."""
+    write_params(project)
+    api = f"http://127.0.0.1:{free_port()}/api"
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect-home"), "PREFECT_API_URL": api,
+           "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PYTHONPATH": str(REPO)}
+    server = [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port",
+              api.rsplit(":", 1)[1].removesuffix("/api")]
+    serve = [sys.executable, "-m", "flows.serve", "--only", "sweep", "--params-file", "params.yaml",
+             "--sweep", SweepConfig(**sweep).model_dump_json()]
+    return api, env, server, serve
+
+
 @pytest.mark.slow
 def test_served_sweep_deployment_runs_rounds_as_task_runs(project, tmp_path):
     """`prefect server` and `python -m flows.serve` as real processes on loopback; the sweep
@@ -60,15 +77,7 @@ def test_served_sweep_deployment_runs_rounds_as_task_runs(project, tmp_path):
     from prefect.deployments import run_deployment
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    write_params(project)
-    port = free_port()
-    api = f"http://127.0.0.1:{port}/api"
-    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect-home"), "PREFECT_API_URL": api,
-           "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PYTHONPATH": str(REPO)}
-    server = [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)]
-    sweep = {"name": "t", "experiment": "tiny", "algorithms": ["fedavg"], "seeds": [0]}
-    serve = [sys.executable, "-m", "flows.serve", "--only", "sweep", "--params-file", "params.yaml",
-             "--sweep", SweepConfig(**sweep).model_dump_json()]
+    api, env, server, serve = serving_setup(project, tmp_path, SWEEP)
 
     with background_server(server, f"{api}/health", tmp_path / "server.log", env), \
             temporary_settings({PREFECT_API_URL: api}):
@@ -83,7 +92,7 @@ def test_served_sweep_deployment_runs_rounds_as_task_runs(project, tmp_path):
                         log = (tmp_path / "serve.log").read_text()
                         assert serving.poll() is None and time.monotonic() < deadline, log
                         time.sleep(1)
-                flow_run = run_deployment("pfl-sweep/sweep", parameters={"sweep": sweep}, timeout=400)
+                flow_run = run_deployment("pfl-sweep/sweep", parameters={"sweep": SWEEP}, timeout=400)
                 assert flow_run.state.is_completed(), (tmp_path / "serve.log").read_text()[-5000:]
                 assert flow_run.name == "sweep-t"
                 names = {fr.name for fr in client.read_flow_runs()}
@@ -118,42 +127,44 @@ def test_ctrl_c_stops_serve_and_pauses_its_schedules_or_at_once_when_the_server_
     from prefect.client.orchestration import get_client
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    write_params(project)
-    port = free_port()
-    api = f"http://127.0.0.1:{port}/api"
-    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect-home"), "PREFECT_API_URL": api,
-           "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PYTHONPATH": str(REPO)}
-    server = [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)]
-    serve = [sys.executable, "-m", "flows.serve", "--only", "sweep", "--params-file", "params.yaml", "--sweep",
-             SweepConfig(name="t", experiment="tiny", algorithms=["fedavg"], seeds=[0]).model_dump_json()]
+    api, env, server, serve = serving_setup(project, tmp_path, SWEEP)
+
+    started = []
 
     def serving(log: Path) -> subprocess.Popen:
         """serve, once its runner has polled the server."""
-        started = datetime.now(timezone.utc)
-        proc = subprocess.Popen(serve, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env, cwd=project)
+        since = datetime.now(timezone.utc)
+        with open(log, "w") as out:
+            started.append(subprocess.Popen(serve, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=project))
         deadline = time.monotonic() + 120
         with get_client(sync_client=True) as client:
             while True:
                 try:
                     polled = client.read_deployment_by_name("pfl-sweep/sweep").last_polled
-                    if polled and polled > started:
-                        return proc
+                    if polled and polled > since:
+                        return started[-1]
                 except Exception:  # not registered yet
                     pass
-                assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+                assert started[-1].poll() is None and time.monotonic() < deadline, log.read_text()
                 time.sleep(0.5)
 
-    with background_server(server, f"{api}/health", tmp_path / "server.log", env) as prefect_server, \
-            temporary_settings({PREFECT_API_URL: api}):
-        first = serving(tmp_path / "first.log")
-        first.send_signal(signal.SIGINT)
-        assert first.wait(120) == 0, (tmp_path / "first.log").read_text()[-3000:]
-        with get_client(sync_client=True) as client:
-            assert client.read_deployment_by_name("pfl-sweep/sweep").paused
-        second = serving(tmp_path / "second.log")
-        prefect_server.terminate()
-        prefect_server.wait(60)
-        second.send_signal(signal.SIGINT)
-        assert second.wait(120) == 128 + signal.SIGINT
-    last = (tmp_path / "second.log").read_text().splitlines()[-1]
-    assert last.startswith("serve stopped at Ctrl-C, its schedules left as they were: PREFECT_API_URL="), last
+    try:
+        with background_server(server, f"{api}/health", tmp_path / "server.log", env) as prefect_server, \
+                temporary_settings({PREFECT_API_URL: api}):
+            first = serving(tmp_path / "first.log")
+            first.send_signal(signal.SIGINT)
+            assert first.wait(120) == 0, (tmp_path / "first.log").read_text()[-3000:]
+            with get_client(sync_client=True) as client:
+                assert client.read_deployment_by_name("pfl-sweep/sweep").paused
+            second = serving(tmp_path / "second.log")
+            prefect_server.terminate()
+            prefect_server.wait(60)
+            second.send_signal(signal.SIGINT)
+            assert second.wait(120) == 128 + signal.SIGINT
+    finally:
+        for proc in started:
+            proc.kill()
+            proc.wait()
+    said = [line for line in (tmp_path / "second.log").read_text().splitlines() if line.startswith("serve stopped")]
+    assert len(said) == 1 and said[0].startswith(
+        "serve stopped at Ctrl-C, its schedules left as they were: PREFECT_API_URL="), said
