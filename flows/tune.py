@@ -45,7 +45,7 @@ from pfl_tasks.data import PARTITIONS
 from pfl_tasks.errors import ConfigError
 from pfl_tasks.files import atomic_write_text
 from pfl_tasks.outputs import json_text
-from pfl_tasks.tuning import choose, tune_name, tuning_params, tuning_path
+from pfl_tasks.tuning import choose, grids, tune_name, tuning_params, tuning_path, widened
 
 SWEEPS = Path("sweeps")  # where sweeps, and tunings, run: each its own params, data, runs and report
 
@@ -74,18 +74,26 @@ def tune_flow(experiment: str, params_path: str = "params.yaml", root: str = "."
     from pfl_tasks.tracking import tracking_uri
 
     params = checked_params(experiment, params_path)
-    raw = tuning_params(read_params(params_path), params, experiment)
     where = Path(root) / SWEEPS / f"tune-{experiment}"
-    tune_params = where / "params.yaml"
-    atomic_write_text(tune_params, yaml.safe_dump(raw, sort_keys=False))
-    name = tune_name(experiment)
-    prepare(params.experiments[experiment].dataset, str(tune_params), where / PARTITIONS)
-    train_experiment(name, str(tune_params), str(where), "restart")
-    results = compare([name], str(tune_params), root=str(where))[name]
-    record = choose(params, experiment, results, run_seconds(tracking_uri(params.tracking.mlflow_uri), results))
+    tune_params, name = where / "params.yaml", tune_name(experiment)
+    tried, widenings = grids(params, experiment), params.tuning[experiment].extensions
+    for widening in range(widenings + 1):  # the grid, then each widening past the edges chosen
+        raw = tuning_params(read_params(params_path), params, experiment, tried)
+        atomic_write_text(tune_params, yaml.safe_dump(raw, sort_keys=False))
+        prepare(params.experiments[experiment].dataset, str(tune_params), where / PARTITIONS)
+        train_experiment(name, str(tune_params), str(where), "restart")  # trains the points not yet finished
+        results = compare([name], str(tune_params), root=str(where))[name]
+        seconds = run_seconds(tracking_uri(params.tracking.mlflow_uri), results)
+        wider = widened(params, experiment, choose(params, experiment, results, seconds, tried))
+        if wider == tried or widening == widenings:
+            break
+        grown = sorted(run for run in tried if wider[run] != tried[run])
+        print(f"{experiment}: widening the grids of {', '.join(grown)} past the edges chosen")
+        tried = wider
+    record = choose(params, experiment, results, seconds, tried)
     atomic_write_text(tuning_path(Path(root), experiment), json_text(record))
     for method, entry in record["methods"].items():
-        edge = f" (at the grid's edge: {', '.join(entry['at_edge'])})" if entry["at_edge"] else ""
+        edge = "".join(f" (at the grid's edge in {key}: {why})" for key, why in entry["edge_reasons"].items())
         chosen = entry["chosen"] if entry["chosen"] is not None else "none: no grid point finished"
         print(f"{experiment}: tuned {method}: {chosen}{edge}")
     print(f"{experiment}: {len(results)} grid points, {record['seconds'] / 60:.1f} min of training -> "

@@ -456,14 +456,50 @@ class RunOverride(Strict):
     local: dict[str, Any] = {}
 
 
+def _low_below_high(bounds: list[float]) -> list[float]:
+    if bounds[0] >= bounds[1]:
+        raise ValueError(f"{bounds}: [low, high] with low below high")
+    return bounds
+
+
+Bounds = Annotated[list[float], Field(min_length=2, max_length=2), AfterValidator(_low_below_high)]
+
+
 class TuningConfig(Strict):
     """The `tune-<experiment>` stage: each method's local learning rate and key hyper-parameters
-    chosen on validation (pfl_tasks/tuning.py), on one seed at a fraction of the rounds."""
+    chosen on validation (pfl_tasks/tuning.py), on the mean over `seeds` at a fraction of the
+    rounds. A choice at a grid's edge extends that key's values past it, within its bounds (the
+    paper's range, or a stated one), until the choice is inside, the bound is reached or
+    `extensions` are spent."""
 
-    seed: Seed | None = None  # None: the experiment's first
+    seeds: Seeds | None = None  # None: the experiment's first two
     rounds_fraction: Annotated[float, Field(gt=0, le=1, strict=True)] = 0.5
     lr: Annotated[list[PositiveFloat], Field(min_length=1)]  # local.optimizer.lr, for every method that uses it
     hyper: dict[Name, dict[str, Annotated[list[Any], Field(min_length=1)]]] = {}  # run -> {hyper-parameter: values}
+    lr_bounds: Bounds | None = None  # None: the lr grid does not extend
+    hyper_bounds: dict[Name, dict[str, Bounds]] = {}  # run -> {hyper-parameter: (low, high)}; a key without one does not extend
+    extensions: Annotated[int, Field(ge=0, strict=True)] = 3  # at most this many widenings of a method's grid
+
+    @field_validator("seeds")
+    @classmethod
+    def _distinct(cls, seeds: list[int] | None) -> list[int] | None:
+        return _once(seeds, "seeds")
+
+    @model_validator(mode="after")
+    def _bounds_hold_the_grid(self) -> TuningConfig:
+        spans = [("lr_bounds", self.lr, self.lr_bounds)] + [
+            (f"hyper_bounds.{run}.{key}", self.hyper.get(run, {}).get(key), bounds)
+            for run, keys in self.hyper_bounds.items() for key, bounds in keys.items()]
+        for where, values, bounds in spans:
+            if bounds is None:
+                continue
+            if values is None:
+                raise ValueError(f"{where}: no such grid under hyper")
+            if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+                raise ValueError(f"{where}: the grid {values} is not numbers")
+            if not bounds[0] <= min(values) <= max(values) <= bounds[1]:
+                raise ValueError(f"{where}: [{bounds[0]}, {bounds[1]}] does not hold the grid {values}")
+        return self
 
 
 class ExperimentConfig(Strict):

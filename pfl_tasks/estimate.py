@@ -16,7 +16,8 @@ Two measurements, neither writing where the pipeline writes:
 
 The total is the probe's wall time plus what the probe left out: every run at the timed rates
 with those costs, less the probe's own runs, and Learn2pFed's other seeds at the probe's rate.
-Its range is the fastest and the slowest timed round's.
+Its range is the fastest and the slowest timed round's. A tuning grid's widenings past the edges
+chosen are not in it: they depend on what the grid chooses.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from pfl_tasks.data import FederatedData, build_partition, load_partition, write
 from pfl_tasks.engine.device import describe
 from pfl_tasks.engine.federation import Federation
 from pfl_tasks.engine.rounds import InlineSteps
-from pfl_tasks.tuning import grids, points, tune_name
+from pfl_tasks.tuning import grids, points, tune_name, tuning_seeds
 
 
 def built_partition(name: str, cfg, seed: int) -> FederatedData:
@@ -108,11 +109,11 @@ def planned_runs(params: Params, experiment: str) -> list[Runs]:
     """Every run the pipeline trains for `experiment`: its tuning grid's, then its own."""
     exp, out = params.experiment(experiment), []
     if experiment in params.tuning:
-        fraction = params.tuning[experiment].rounds_fraction
+        fraction, seeds = params.tuning[experiment].rounds_fraction, len(tuning_seeds(params, experiment))
         for name, grid in grids(params, experiment).items():
             fed = exp.for_run(name).federation
             rounds = math.ceil(fraction * fed.rounds)
-            out.append(Runs(f"tune-{experiment}", name, math.prod(len(v) for v in grid.values()), rounds,
+            out.append(Runs(f"tune-{experiment}", name, seeds * math.prod(len(v) for v in grid.values()), rounds,
                             evaluations(rounds, fed.eval_every)))
     for name in exp.algorithms:
         fed = exp.for_run(name).federation
@@ -123,7 +124,7 @@ def planned_runs(params: Params, experiment: str) -> list[Runs]:
 def probe_params(raw: dict, params: Params, experiments: list[str], store: str) -> dict:
     """The probe's params file (`raw` as read): the pipeline of `experiments` as configured, each
     on its first seed, each run for two evaluation intervals (`probe_interval`, a checkpoint each),
-    each tuning grid at its first point, logged to `store`."""
+    each tuning grid at its first point on one seed, never widened, logged to `store`."""
     raw = copy.deepcopy(raw)
     kept = {}
     for experiment in experiments:
@@ -138,7 +139,8 @@ def probe_params(raw: dict, params: Params, experiments: list[str], store: str) 
         kept[experiment] = source
     raw["experiments"] = kept
     raw["tuning"] = {e: {**t, "lr": t["lr"][:1], "hyper": {run: {key: values[:1] for key, values in grid.items()}
-                                                          for run, grid in (t.get("hyper") or {}).items()}}
+                                                          for run, grid in (t.get("hyper") or {}).items()},
+                         **({"seeds": t["seeds"][:1]} if t.get("seeds") else {}), "extensions": 0}
                      for e, t in (raw.get("tuning") or {}).items() if e in kept}
     raw["learn2pfed"] = {e: c for e, c in (raw.get("learn2pfed") or {}).items() if e in kept}
     raw["tables"] = {t: c for t, c in (raw.get("tables") or {}).items() if set(c["experiments"]) <= set(kept)}
@@ -275,5 +277,7 @@ def report(params_path: str, platform: str, probe: Probe, lines: list[Line], lea
     out.append(f"{'probe':<16} {'':<12} {'':>52}  {'its wall time':<29}  {duration(probe.wall_s):>17}")
     out.append(f"total: {span(low, high)} (interval: an evaluation interval's orchestration, Prefect task runs, "
                "MLflow logging and a checkpoint; run: a run's start and finish and the gap to the next; all measured in the probe; a busier "
-               "machine stretches every figure)")
+               "machine stretches every figure)"
+               + ("; plus any widening of a tuning grid past the edges it chose, which depends on the choices"
+                  if any(line.runs.stage.startswith("tune-") for line in lines) else ""))
     return "\n".join(out)

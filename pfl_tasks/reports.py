@@ -646,27 +646,36 @@ def _value(value) -> str:
 
 
 def tuning_lines(tuning: dict | None) -> list[str]:
-    """Each method's grid and choice (`pfl_tasks.tuning`), a choice at a grid's edge marked."""
+    """Each method's grid, as widened, and choice (`pfl_tasks.tuning`); a choice that stays at
+    a grid's edge marked, with why."""
     if not tuning:
         return []
+    seeds = tuning["seeds"]
     lines = ["", "## Tuning, on validation", "",
-             f"Each method's values above were chosen on seed {tuning['seed']}'s validation splits at "
-             f"{tuning['rounds_fraction']:.0%} of its rounds (`{tuning['selected_on']}` at its selected round; the "
-             f"test split is not read), over the grid below (`tuning/{tuning['experiment']}.json`, stage "
-             f"`tune-{tuning['experiment']}`: {tuning['seconds'] / 60:.1f} min of training on the machine that "
-             "ran it). ◆: the choice is at the grid's edge, so the best may lie beyond it.", "",
-             "| method | grid | chosen | validation | points finished |", "|---|---|---|---|---|"]
+             f"Each method's values above were chosen on the mean over seed{'s' * (len(seeds) > 1)} "
+             f"{', '.join(map(str, seeds))} of the validation metric at {tuning['rounds_fraction']:.0%} of its rounds "
+             f"(`{tuning['selected_on']}` at its selected round; the test split is not read), over the grid below "
+             f"(`tuning/{tuning['experiment']}.json`, stage `tune-{tuning['experiment']}`: "
+             f"{tuning['seconds'] / 60:.1f} min of training on the machine that ran it). A choice at a grid's "
+             "edge widened the grid one step past it, within the key's bounds, and the new points trained; "
+             "values in italics are those widenings. ◆: the choice stays at the edge, so the best may lie "
+             "beyond it; the last column says why.", "",
+             "| method | grid | chosen | validation | points finished | ◆ why |", "|---|---|---|---|---|---|"]
     for method, entry in tuning["methods"].items():
-        grid = "; ".join(f"{key.removeprefix('local.optimizer.')} {', '.join(map(_value, values))}"
-                         for key, values in entry["grid"].items())
+        grid = "; ".join(f"{_key(key)} {', '.join(_value(v) if v in entry['grid'][key] else f'*{_value(v)}*' for v in values)}"
+                         for key, values in entry["tried"].items())
         chosen = ("none finished: the configured values" if entry["chosen"] is None else
-                  ", ".join(f"{key.removeprefix('local.optimizer.')} {_value(v)}{' ◆' if key in entry['at_edge'] else ''}"
+                  ", ".join(f"{_key(key)} {_value(v)}{' ◆' if key in entry['at_edge'] else ''}"
                             for key, v in entry["chosen"].items()))
         finished = sum(not isinstance(v, str) for v in entry["points"].values())
-        val = entry["val"]
+        val, why = entry["val"], "; ".join(f"{_key(key)}: {reason}" for key, reason in entry["edge_reasons"].items())
         lines.append(f"| {method} | {grid} | {chosen} | {'–' if val is None else f'{val:.4f}'} "
-                     f"| {finished}/{len(entry['points'])} |")
+                     f"| {finished}/{len(entry['points'])} | {why or '–'} |")
     return lines
+
+
+def _key(key: str) -> str:
+    return key.removeprefix("local.optimizer.")
 
 
 def test_selected_lines(results: list[MethodResult]) -> list[str]:

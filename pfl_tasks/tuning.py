@@ -1,10 +1,13 @@
 """Per-method tuning on validation: the `tune-<experiment>` stage (`flows.tune`).
 
-Every method of an experiment with a `tuning.<experiment>` section runs, on one seed at a
-fraction of the rounds, each point of its grid: the local learning rate (`lr`, for the methods
-whose steps use it) times the values of its key hyper-parameters (`hyper.<method>`, from its
-paper's range). The point best on validation at its selected round is the method's choice;
-the test split is read by nothing here. The choices are a small committed file,
+Every method of an experiment with a `tuning.<experiment>` section runs, on its tuning seeds
+at a fraction of the rounds, each point of its grid: the local learning rate (`lr`, for the
+methods whose steps use it) times the values of its key hyper-parameters (`hyper.<method>`,
+from its paper's range). The point whose validation metric at its selected round, mean over
+the seeds, is best is the method's choice; the test split is read by nothing here. A choice at
+a grid's edge widens that key's values one step past it (`widened`), within its bounds, and
+the new points train, until no choice is at an edge it may pass or `extensions` are spent;
+what stays at an edge says why. The choices are a small committed file,
 `tuning/<experiment>.json`, which the experiment's training runs read (`tuned`): a fresh
 clone reuses it, and DVC reruns the stage when the grid, the experiment or the code changes.
 """
@@ -44,10 +47,16 @@ def grids(params: Params, experiment: str) -> dict[str, dict[str, list]]:
             for run in exp.algorithms}
 
 
-def points(params: Params, experiment: str) -> dict[str, tuple[str, dict]]:
-    """variant name (`ditto_lr0.1_mu0.01`) -> (its method, its grid point)."""
+def tuning_seeds(params: Params, experiment: str) -> list[int]:
+    cfg, exp = params.tuning[experiment], params.experiment(experiment)
+    return list(cfg.seeds or exp.seeds[:2])
+
+
+def points(params: Params, experiment: str, tried: dict[str, dict[str, list]] | None = None) -> dict[str, tuple[str, dict]]:
+    """variant name (`ditto_lr0.1_mu0.01`) -> (its method, its grid point), over the `tried`
+    grids (default: the configured ones)."""
     out = {}
-    for run, grid in grids(params, experiment).items():
+    for run, grid in (tried or grids(params, experiment)).items():
         for values in itertools.product(*grid.values()):
             point = dict(zip(grid, values))
             name = "_".join([run, *(f"{key.rsplit('.', 1)[-1]}{label(v)}" for key, v in point.items())])
@@ -58,14 +67,15 @@ def points(params: Params, experiment: str) -> dict[str, tuple[str, dict]]:
     return out
 
 
-def tuning_params(raw: dict, params: Params, experiment: str) -> dict:
+def tuning_params(raw: dict, params: Params, experiment: str, tried: dict[str, dict[str, list]] | None = None) -> dict:
     """The tuning's own params file: one experiment, `<experiment>-tune`, whose runs are every
-    grid point of every method on the tuning seed, each at `rounds_fraction` of its rounds."""
+    point of every method's `tried` grid (default: the configured one) on the tuning seeds,
+    each at `rounds_fraction` of its rounds."""
     cfg, exp = params.tuning[experiment], params.experiment(experiment)
     raw = copy.deepcopy(raw)
     source = raw["experiments"][experiment]
     algorithms, run_overrides = dict(raw.get("algorithms") or {}), {}
-    for name, (run, point) in points(params, experiment).items():
+    for name, (run, point) in points(params, experiment, tried).items():
         algorithms[name] = {**exp.hyper[run], "algorithm": exp.hyper[run].get("algorithm", run),
                             **{k: v for k, v in point.items() if k != LOCAL_LR}}
         rounds = math.ceil(cfg.rounds_fraction * exp.for_run(run).federation.rounds)
@@ -75,7 +85,7 @@ def tuning_params(raw: dict, params: Params, experiment: str) -> dict:
             set_dotted(own, LOCAL_LR, point[LOCAL_LR], f"tuning.{experiment}")
         run_overrides[name] = own
     tune = {k: v for k, v in source.items() if k not in ("algorithm_overrides", "run_overrides")}
-    tune.update(algorithms=list(run_overrides), seeds=[exp.seeds[0] if cfg.seed is None else cfg.seed],
+    tune.update(algorithms=list(run_overrides), seeds=tuning_seeds(params, experiment),
                 run_overrides=run_overrides)
     raw.update(experiments={tune_name(experiment): tune}, algorithms=algorithms, learn2pfed={}, tables={},
                tuning={})
@@ -83,11 +93,74 @@ def tuning_params(raw: dict, params: Params, experiment: str) -> dict:
     return raw
 
 
-def at_edge(grid: dict[str, list], chosen: dict) -> list[str]:
-    """The keys whose choice is the smallest or largest of 2+ numbers: the best may lie beyond."""
-    return [key for key, values in grid.items()
-            if len(values) > 1 and all(isinstance(v, (int, float)) for v in values)
-            and chosen[key] in (min(values), max(values))]
+def edges(grid: dict[str, list], chosen: dict) -> dict[str, str]:
+    """key -> "low" or "high", for the keys whose choice is the smallest or largest of 2+
+    numbers: the best may lie beyond."""
+    out = {}
+    for key, values in grid.items():
+        if len(values) > 1 and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+            if chosen[key] == min(values):
+                out[key] = "low"
+            elif chosen[key] == max(values):
+                out[key] = "high"
+    return out
+
+
+def beyond(values: list, edge: str, bounds: list[float]) -> int | float | None:
+    """The next value past the `edge` ("low" or "high") of a grid's numbers: the step between
+    the two values at that edge again, as a ratio when both are positive (else a difference),
+    to the fewest significant digits that still pass the edge (integers: at least one
+    further), within `bounds`; None when the edge is at its bound."""
+    ordered = sorted(values)
+    high = edge == "high"
+    last, inner = (ordered[-1], ordered[-2]) if high else (ordered[0], ordered[1])
+    limit = bounds[1] if high else bounds[0]
+    if (last >= limit) if high else (last <= limit):
+        return None
+    step = last * (last / inner) if last > 0 and inner > 0 else last + (last - inner)
+    if all(isinstance(v, int) for v in values):
+        step = max(math.ceil(step), last + 1) if high else min(math.floor(step), last - 1)
+        return int(min(step, math.floor(limit)) if high else max(step, math.ceil(limit)))
+    step = next((rounded for digits in (1, 2, 3) if (rounded := float(f"{step:.{digits}g}")) != last
+                 and (rounded > last) == high), step)
+    return min(step, limit) if high else max(step, limit)
+
+
+def bounds_of(params: Params, experiment: str, run: str, key: str) -> list[float] | None:
+    cfg = params.tuning[experiment]
+    return cfg.lr_bounds if key == LOCAL_LR else cfg.hyper_bounds.get(run, {}).get(key)
+
+
+def past_edge(params: Params, experiment: str, run: str, key: str, values: list, edge: str) -> int | float | None:
+    """The value a widening adds past this edge of `run`'s `key`, or None (no bound, or at it)."""
+    bounds = bounds_of(params, experiment, run, key)
+    return None if bounds is None else beyond(values, edge, bounds)
+
+
+def widened(params: Params, experiment: str, record: dict) -> dict[str, dict[str, list]]:
+    """Each method's tried grid (`record`, from `choose`), with the next value past every edge
+    its choice sits on, where its bounds allow (`beyond`)."""
+    out = {}
+    for run, entry in record["methods"].items():
+        grid = {key: list(values) for key, values in entry["tried"].items()}
+        for key, edge in edges(grid, entry["chosen"] or {}).items():
+            value = past_edge(params, experiment, run, key, grid[key], edge)
+            if value is not None:
+                grid[key] = sorted([*grid[key], value])
+        out[run] = grid
+    return out
+
+
+def edge_reason(params: Params, experiment: str, run: str, key: str, values: list, edge: str) -> str:
+    """Why a choice stays at its grid's edge: no bound to widen into, the bound reached, or
+    the widenings spent."""
+    bounds = bounds_of(params, experiment, run, key)
+    if bounds is None:
+        where = "lr_bounds" if key == LOCAL_LR else f"hyper_bounds.{run}.{key}"
+        return f"no bound to widen into (tuning.{experiment}.{where})"
+    if beyond(values, edge, bounds) is None:
+        return f"at its bound {bounds[1] if edge == 'high' else bounds[0]:g}"
+    return f"{params.tuning[experiment].extensions} widenings spent"
 
 
 def on_grid(grid: dict[str, list], chosen) -> bool:
@@ -100,32 +173,44 @@ def on_grid(grid: dict[str, list], chosen) -> bool:
                     for key, values in grid.items()))
 
 
-def choose(params: Params, experiment: str, results: list, seconds: float) -> dict:
-    """The tuning file's content: per method its grid, every point's validation metric (or why
-    it has none), the choice (the best on validation; the earlier point on a tie) and its
-    compute. `results`: the tuning experiment's MethodResults (`pfl_tasks.reports`)."""
+def choose(params: Params, experiment: str, results: list, seconds: float,
+           tried: dict[str, dict[str, list]] | None = None) -> dict:
+    """The tuning file's content: per method its configured and `tried` grids, every point's
+    validation metric, mean over the tuning seeds (or why it has none), the choice (the best;
+    the earlier point on a tie), the edges it sits on with why each stays (were no widening to
+    follow) and its compute. `results`: the tuning experiment's MethodResults
+    (`pfl_tasks.reports`)."""
     by_name = {r.method: r for r in results}
     metric = next((r.metric for r in results), "acc")
     better = max if HIGHER_IS_BETTER[metric] else min
-    cfg = params.tuning[experiment]
-    methods, every = {}, points(params, experiment)
+    cfg, seeds = params.tuning[experiment], tuning_seeds(params, experiment)
+    tried = tried or grids(params, experiment)
+    methods, every = {}, points(params, experiment, tried)
     for run, grid in grids(params, experiment).items():
         named = {name: point for name, (of, point) in every.items() if of == run}
-        scores = {}
-        for name in named:
-            r = by_name.get(name)
-            scores[name] = (r.val if r is not None and r.ranked and r.val is not None
-                            else "diverged" if r is not None and r.diverged else "no result")
-        finished = [name for name, score in scores.items() if not isinstance(score, str)]
+        scores = {name: score(by_name.get(name), seeds) for name in named}
+        finished = [name for name, value in scores.items() if not isinstance(value, str)]
         best = better(finished, key=lambda name: scores[name]) if finished else None
         chosen = named[best] if best else None
-        methods[run] = {"grid": grid, "chosen": chosen, "val": scores.get(best),
-                        "at_edge": at_edge(grid, chosen) if chosen else [], "points": scores,
-                        "grad_samples": sum(by_name[n].grad_samples or 0 for n in named if n in by_name)}
-    exp = params.experiment(experiment)
+        at = edges(tried[run], chosen) if chosen else {}
+        methods[run] = {
+            "grid": grid, "tried": tried[run], "chosen": chosen, "val": scores.get(best), "at_edge": list(at),
+            "edge_reasons": {key: edge_reason(params, experiment, run, key, tried[run][key], edge)
+                             for key, edge in at.items()},
+            "points": scores, "grad_samples": sum(by_name[n].grad_samples or 0 for n in named if n in by_name)}
     return {"experiment": experiment, "metric": metric, "selected_on": f"validation/personalized/{metric}_mean",
-            "seed": exp.seeds[0] if cfg.seed is None else cfg.seed, "rounds_fraction": cfg.rounds_fraction,
-            "seconds": round(seconds), "methods": methods}
+            "seeds": seeds, "rounds_fraction": cfg.rounds_fraction, "seconds": round(seconds), "methods": methods}
+
+
+def score(result, seeds: list[int]) -> float | str:
+    """A point's validation metric, mean over the tuning seeds, or why it has none."""
+    if result is None:
+        return "no result"
+    if result.diverged:
+        return "diverged"
+    if not result.ranked or result.val is None or not set(seeds) <= set(result.seeds):
+        return f"{len(result.seeds)}/{len(seeds)} seeds finished"
+    return result.val
 
 
 def read_tuning(root: Path, experiment: str) -> dict | None:
@@ -148,16 +233,17 @@ def read_tuning(root: Path, experiment: str) -> dict | None:
 
 def checked_tuning(params: Params, experiment: str, root: Path) -> dict | None:
     """The experiment's tuning file (None when there is none), refused in one line naming it
-    unless it holds, for each method, a choice over the configured grid that is one of its points."""
+    unless it holds, for each method, a choice over the configured grid, widened or not, that
+    is one of the points it tried."""
     record, path = read_tuning(root, experiment), tuning_path(root, experiment)
     for run, grid in grids(params, experiment).items() if record is not None else ():
         entry = record["methods"].get(run)
-        if not isinstance(entry, dict) or entry.get("grid") != grid:
-            raise ConfigError(f"{path}: holds no choice for {run} over its grid {grid}: the grid changed since; "
-                              f"rerun `dvc repro tune-{experiment}`")
-        chosen = entry.get("chosen")  # None: no grid point finished
-        if chosen is not None and not on_grid(grid, chosen):
-            raise ConfigError(f"{path}: methods.{run}.chosen is {chosen}, not a point of its grid {grid}: "
+        if not isinstance(entry, dict) or entry.get("grid") != grid or not isinstance(entry.get("tried"), dict):
+            raise ConfigError(f"{path}: holds no choice for {run} over its grid {grid}: the grid or the tuning "
+                              f"changed since; rerun `dvc repro tune-{experiment}`")
+        chosen, tried = entry.get("chosen"), entry["tried"]  # chosen None: no grid point finished
+        if chosen is not None and not on_grid(tried, chosen):
+            raise ConfigError(f"{path}: methods.{run}.chosen is {chosen}, not a point of its grid {tried}: "
                               f"rerun `dvc repro tune-{experiment}`")
     return record
 

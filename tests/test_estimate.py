@@ -23,9 +23,10 @@ def tuned_raw() -> dict:
 
 
 def test_the_plan_counts_every_grid_point_and_seed_at_its_rounds_and_evaluations():
+    """Tuning: each grid point on the two tuning seeds (the experiment's first two)."""
     params = validate_params(parse_params(tuned_raw()))
     assert [(r.stage, r.algorithm, r.count, r.rounds, r.evaluations) for r in planned_runs(params, "tiny")] == [
-        ("tune-tiny", "local", 2, 10, 2), ("tune-tiny", "fedprox", 6, 10, 2),
+        ("tune-tiny", "local", 4, 10, 2), ("tune-tiny", "fedprox", 12, 10, 2),
         ("train-tiny", "local", 3, 20, 4), ("train-tiny", "fedprox", 3, 20, 4)]
 
 
@@ -63,10 +64,10 @@ def test_the_whole_run_is_the_probe_plus_every_run_less_the_probes_own():
                      ("tune-tiny", "fedprox"): (3.0, 0.0), ("train-tiny", "fedprox"): (3.0, 0.0)}
     local = lambda rounds, evals, round_s: 3.0 + rounds * round_s + evals * (0.5 + 0.5)  # noqa: E731
     fedprox = lambda rounds, evals: 3.0 + rounds * 0.2 + evals * 1.0  # noqa: E731
-    beyond = {"low": 2 * local(10, 2, 0.1) - 3.0 + 6 * fedprox(10, 2) - 4.0 + 3 * local(20, 4, 0.1) - 6.0
+    beyond = {"low": 4 * local(10, 2, 0.1) - 3.0 + 12 * fedprox(10, 2) - 4.0 + 3 * local(20, 4, 0.1) - 6.0
               + 3 * fedprox(20, 4) - 7.0,
-              "high": 2 * local(10, 2, 0.3) - 3.0 + 6 * fedprox(10, 2) - 4.0 + 3 * local(20, 4, 0.3) - 6.0
-              + 3 * fedprox(20, 4) - 7.0}
+              "high": 4 * local(10, 2, 0.3) - 3.0 + 12 * fedprox(10, 2) - 4.0 + 3 * local(20, 4, 0.3) - 6.0
+              + 3 * fedprox(20, 4) - 7.0}  # tuning: every grid point on both tuning seeds
     assert learn2pfed == {"tiny": pytest.approx((4.0 + 1.0) * 2)}  # its other seeds, each with the gap before it
     assert (low, high) == pytest.approx((30.0 + learn2pfed["tiny"] + beyond["low"], 30.0 + learn2pfed["tiny"] + beyond["high"]))
     text = report("params.yaml", "cpu", probe, lines, learn2pfed, low, high)

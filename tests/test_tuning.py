@@ -10,11 +10,12 @@ from conftest import ranked_result, tiny_params
 from pfl_tasks.algorithms import validate_params
 from pfl_tasks.config import parse_params
 from pfl_tasks.errors import ConfigError
-from pfl_tasks.tuning import LOCAL_LR, choose, points, tune_name, tuned, tuning_params, tuning_path
+from pfl_tasks.reports import tuning_lines
+from pfl_tasks.tuning import LOCAL_LR, beyond, choose, points, tune_name, tuned, tuning_params, tuning_path, widened
 
 
 def tuning_raw() -> dict:
-    raw = tiny_params(algorithms=["local", "fedprox", "l2sgd"], seeds=[3, 4],
+    raw = tiny_params(algorithms=["local", "fedprox", "l2sgd"], seeds=[3, 4, 5],
                       run_overrides={"l2sgd": {"federation": {"rounds": 40}}})
     raw["federation"] = {"rounds": 10, "eval_every": 2, "checkpoint_every": 5}
     raw["algorithms"]["l2sgd"] = {"p": 0.5}
@@ -37,31 +38,79 @@ def test_the_grid_is_every_lr_times_every_key_value_at_a_fraction_of_each_method
     }
     tune = validate_params(parse_params(tuning_params(raw, params, "tiny")))
     exp = tune.experiment(tune_name("tiny"))
-    assert exp.seeds == [3]  # the experiment's first seed, one run per point
+    assert exp.seeds == [3, 4]  # the experiment's first two seeds, a run each per point
     run = exp.for_run("fedprox_lr0.5_mu0.01")
     assert (run.local.optimizer.lr, exp.hyper["fedprox_lr0.5_mu0.01"]["mu"], run.federation.rounds) == (0.5, 0.01, 5)
     l2sgd = exp.for_run("l2sgd_lr2.0")
     assert (l2sgd.federation.rounds, exp.hyper["l2sgd_lr2.0"]) == (20, {"p": 0.5, "algorithm": "l2sgd", "lr": 2.0})
 
 
+def seeded(method: str, test: float, val: float, seeds=(3, 4)):
+    """A ranked tuning point over the tuning seeds of `tuning_raw` (its mean validation `val`)."""
+    return replace(ranked_result(method, test, val), seeds=list(seeds))
+
+
 def test_tuning_picks_the_validation_best_point_never_the_test_best_and_marks_a_choice_at_the_edge():
     params = validate_params(parse_params(tuning_raw()))
     results = [
-        ranked_result("fedprox_lr0.05_mu0.01", test=0.95, val=0.80),  # best on test
-        ranked_result("fedprox_lr0.05_mu1.0", test=0.85, val=0.90),  # best on validation
-        ranked_result("fedprox_lr0.5_mu0.01", test=0.90, val=0.85),
-        replace(ranked_result("fedprox_lr0.5_mu1.0", test=0.99, val=0.99), diverged=[(3, 4)]),  # never chosen
-        ranked_result("local_lr0.05", test=0.7, val=0.7), ranked_result("local_lr0.5", test=0.7, val=0.7),
-        ranked_result("l2sgd_lr0.5", test=0.6, val=0.6),
+        seeded("fedprox_lr0.05_mu0.01", test=0.95, val=0.80),  # best on test
+        seeded("fedprox_lr0.05_mu1.0", test=0.85, val=0.90),  # best on validation
+        seeded("fedprox_lr0.5_mu0.01", test=0.90, val=0.85),
+        replace(seeded("fedprox_lr0.5_mu1.0", test=0.99, val=0.99), diverged=[(3, 4)]),  # never chosen
+        seeded("local_lr0.05", test=0.7, val=0.7), seeded("local_lr0.5", test=0.7, val=0.7),
+        seeded("l2sgd_lr0.5", test=0.6, val=0.6),
+        seeded("l2sgd_lr2.0", test=0.99, val=0.99, seeds=[3]),  # one tuning seed of two: never chosen
     ]
     record = choose(params, "tiny", results, seconds=12.4)
     fedprox = record["methods"]["fedprox"]
     assert fedprox["chosen"] == {LOCAL_LR: 0.05, "mu": 1.0} and fedprox["val"] == 0.90
     assert fedprox["at_edge"] == [LOCAL_LR, "mu"]
+    assert fedprox["edge_reasons"] == {LOCAL_LR: "no bound to widen into (tuning.tiny.lr_bounds)",
+                                       "mu": "no bound to widen into (tuning.tiny.hyper_bounds.fedprox.mu)"}
     assert fedprox["points"]["fedprox_lr0.5_mu1.0"] == "diverged"
     assert record["methods"]["local"]["chosen"] == {LOCAL_LR: 0.05}  # a tie: the earlier point
-    assert record["methods"]["l2sgd"]["points"] == {"l2sgd_lr0.5": 0.6, "l2sgd_lr2.0": "no result"}
-    assert (record["seed"], record["seconds"], record["selected_on"]) == (3, 12, "validation/personalized/acc_mean")
+    assert record["methods"]["l2sgd"]["points"] == {"l2sgd_lr0.5": 0.6, "l2sgd_lr2.0": "1/2 seeds finished"}
+    assert (record["seeds"], record["seconds"], record["selected_on"]) == ([3, 4], 12, "validation/personalized/acc_mean")
+
+
+def test_the_next_value_past_an_edge_repeats_the_step_there_within_the_bound():
+    assert beyond([0.1, 0.3, 1.0], "high", [0.01, 10.0]) == 3.0  # the ratio 1/0.3 again, to 1 digit
+    assert beyond([0.1, 0.3, 1.0], "low", [0.01, 10.0]) == 0.03
+    assert beyond([1.0, 1.2], "high", [0.01, 10.0]) == 1.4  # 1.44: 1 digit would not pass 1.2
+    assert beyond([0.1, 0.3, 1.0], "high", [0.01, 2.5]) == 2.5  # cut at the bound
+    assert beyond([0.1, 0.3, 2.0], "high", [0.01, 2.0]) is None  # at it
+    assert beyond([1, 5, 10], "high", [1, 15]) == 15 and beyond([1, 5, 10], "low", [1, 15]) is None  # integers
+    assert beyond([4, 5], "high", [1, 100]) == 7 and beyond([4, 5], "low", [1, 100]) == 3
+    assert beyond([0.0, 0.5], "low", [-1.0, 1.0]) == -0.5  # not both positive: the difference again
+
+
+def test_a_choice_at_an_edge_widens_its_grid_within_the_bounds_and_says_why_an_edge_stays():
+    raw = tuning_raw()
+    raw["tuning"]["tiny"].update(lr_bounds=[0.05, 5.0], hyper_bounds={"fedprox": {"mu": [0.001, 1.0]}}, extensions=2)
+    params = validate_params(parse_params(raw))
+    first = choose(params, "tiny", [seeded("fedprox_lr0.5_mu0.01", 0.9, 0.9), seeded("local_lr0.5", 0.8, 0.8),
+                                    seeded("local_lr0.05", 0.7, 0.7), seeded("l2sgd_lr0.5", 0.7, 0.7)], seconds=1)
+    tried = widened(params, "tiny", first)
+    # FedProx at lr 0.5 (high) and mu 0.01 (low): both widen; Local's lr 0.5 too; L2SGD's own lr has no bound
+    assert tried == {"local": {LOCAL_LR: [0.05, 0.5, 5.0]}, "fedprox": {LOCAL_LR: [0.05, 0.5, 5.0], "mu": [0.001, 0.01, 1.0]},
+                     "l2sgd": {"lr": [0.5, 2.0]}}
+    assert set(points(params, "tiny", tried)) >= {"fedprox_lr5.0_mu0.001", "local_lr5.0"}
+    tune = validate_params(parse_params(tuning_params(raw, params, "tiny", tried)))
+    assert tune.experiment(tune_name("tiny")).for_run("fedprox_lr5.0_mu0.001").local.optimizer.lr == 5.0
+    second = choose(params, "tiny", [seeded("fedprox_lr5.0_mu0.001", 0.9, 0.95), seeded("local_lr0.5", 0.8, 0.8),
+                                     seeded("l2sgd_lr0.5", 0.7, 0.7)], seconds=1, tried=tried)
+    fedprox = second["methods"]["fedprox"]
+    assert (fedprox["grid"], fedprox["tried"]) == ({LOCAL_LR: [0.05, 0.5], "mu": [0.01, 1.0]}, tried["fedprox"])
+    assert fedprox["edge_reasons"] == {LOCAL_LR: "at its bound 5", "mu": "at its bound 0.001"}
+    assert second["methods"]["local"]["at_edge"] == []  # inside its widened grid
+    assert second["methods"]["l2sgd"]["edge_reasons"] == {"lr": "no bound to widen into (tuning.tiny.hyper_bounds.l2sgd.lr)"}
+    assert widened(params, "tiny", second) == tried  # nothing left to widen: the stage stops
+    row = next(line for line in tuning_lines(second) if line.startswith("| fedprox |"))
+    assert row.startswith("| fedprox | lr 0.05, 0.5, *5*; mu *0.001*, 0.01, 1 | lr 5 ◆, mu 0.001 ◆ |")
+    assert row.endswith("| lr: at its bound 5; mu: at its bound 0.001 |")
+    raw["tuning"]["tiny"]["lr_bounds"] = [0.1, 5.0]
+    with pytest.raises(ConfigError, match=r"lr_bounds: \[0.1, 5.0\] does not hold the grid \[0.05, 0.5\]"):
+        parse_params(raw)
 
 
 def test_training_reads_the_choices_and_refuses_a_missing_or_stale_tuning_file(tmp_path):
@@ -69,9 +118,8 @@ def test_training_reads_the_choices_and_refuses_a_missing_or_stale_tuning_file(t
     params = validate_params(parse_params(raw))
     with pytest.raises(ConfigError, match=r"tuning/tiny.json: missing: tune first \(`dvc repro tune-tiny`"):
         tuned(params, "tiny", tmp_path)
-    record = choose(params, "tiny", [ranked_result("fedprox_lr0.5_mu0.01", 0.9, 0.9),
-                                     ranked_result("local_lr0.05", 0.8, 0.8),
-                                     ranked_result("l2sgd_lr2.0", 0.7, 0.7)], seconds=1)
+    record = choose(params, "tiny", [seeded("fedprox_lr0.5_mu0.01", 0.9, 0.9), seeded("local_lr0.05", 0.8, 0.8),
+                                     seeded("l2sgd_lr2.0", 0.7, 0.7)], seconds=1)
     path = tuning_path(tmp_path, "tiny")
     path.parent.mkdir()
     path.write_text(json.dumps(record))
@@ -99,3 +147,31 @@ def test_a_run_override_names_its_key_and_an_experiment_without_tuning_is_as_con
         parse_params(raw)
     raw = tiny_params()
     assert tuned(parse_params(raw), "tiny", None) == parse_params(raw).experiment("tiny")
+
+
+@pytest.mark.slow
+def test_the_stage_trains_each_widened_point_once_until_its_choice_is_inside_or_at_the_bound(project, prefect_harness):
+    """`flows.tune` end to end: Local at learning rates too small to train in 2 rounds chooses
+    its largest each time, so its grid widens (x2 a step) up to the bound; every point runs once
+    on both tuning seeds, and the file it writes is what training reads."""
+    import mlflow
+    import yaml
+
+    from conftest import mlflow_uri
+    from flows.tune import tune_flow
+
+    raw = tiny_params(algorithms=["local"], seeds=[0, 1, 2])
+    raw["tracking"] = {"mlflow_uri": mlflow_uri()}
+    raw["tuning"] = {"tiny": {"lr": [0.001, 0.002], "lr_bounds": [0.001, 0.008], "extensions": 3}}
+    (project / "params.yaml").write_text(yaml.safe_dump(raw))
+    record = tune_flow("tiny", str(project / "params.yaml"), str(project))
+    local = record["methods"]["local"]
+    assert local["tried"] == {LOCAL_LR: [0.001, 0.002, 0.004, 0.008]} and local["chosen"] == {LOCAL_LR: 0.008}
+    assert local["edge_reasons"] == {LOCAL_LR: "at its bound 0.008"} and record["seeds"] == [0, 1]
+    assert set(local["points"]) == {"local_lr0.001", "local_lr0.002", "local_lr0.004", "local_lr0.008"}
+    mlflow.set_tracking_uri(mlflow_uri())
+    runs = mlflow.search_runs(experiment_names=[tune_name("tiny")], filter_string="attributes.status = 'FINISHED'")
+    assert sorted(runs["tags.mlflow.runName"]) == sorted(f"local_lr{lr}-seed{s}" for lr in ("0.001", "0.002", "0.004", "0.008")
+                                                         for s in (0, 1))
+    params = validate_params(parse_params(raw))
+    assert tuned(params, "tiny", project).for_run("local").local.optimizer.lr == 0.008
