@@ -40,7 +40,7 @@ from flows.prepare import prepare
 from flows.stage import check_prefect_api, prefect_api, stage_main
 from flows.train import train_experiment
 from pfl_tasks.algorithms import validate_params
-from pfl_tasks.config import load_params, read_params
+from pfl_tasks.config import load_params, read_params, snapshot_write
 from pfl_tasks.data import PARTITIONS
 from pfl_tasks.errors import ConfigError
 from pfl_tasks.files import atomic_write_text
@@ -79,7 +79,7 @@ def tune_flow(experiment: str, params_path: str = "params.yaml", root: str = "."
     tried, widenings = grids(params, experiment), params.tuning[experiment].extensions
     for widening in range(widenings + 1):  # the grid, then each widening past the edges chosen
         raw = tuning_params(read_params(params_path), params, experiment, tried)
-        atomic_write_text(tune_params, yaml.safe_dump(raw, sort_keys=False))
+        snapshot_write(tune_params, yaml.safe_dump(raw, sort_keys=False))
         prepare(params.experiments[experiment].dataset, str(tune_params), where / PARTITIONS)
         train_experiment(name, str(tune_params), str(where), "restart")  # trains the points not yet finished
         results = compare([name], str(tune_params), root=str(where))[name]

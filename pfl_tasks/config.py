@@ -23,6 +23,7 @@ from pydantic import (
 )
 
 from pfl_tasks.errors import ConfigError
+from pfl_tasks.files import atomic_write_text
 
 # strict: a boolean or a string is no number (YAML's `rounds: true` is an error, not 1)
 PositiveInt = Annotated[int, Field(gt=0, strict=True)]
@@ -753,6 +754,14 @@ def params_snapshot() -> Iterator[None]:
                               "rerun it (dvc repro) for the new one")
     finally:
         _snapshot = None
+
+
+def snapshot_write(path: str | Path, text: str) -> None:
+    """Writes a config file the stage itself makes (a tuning's params, rewritten as its grid
+    widens), atomically; inside `params_snapshot` its later reads return this version."""
+    atomic_write_text(Path(path), text)
+    if _snapshot is not None:
+        _snapshot[Path(path).resolve()] = _read_bytes(Path(path))
 
 
 def snapshot_read(path: str | Path) -> bytes:

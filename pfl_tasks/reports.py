@@ -20,6 +20,7 @@ here, on its validation curve, under `verdicts.plateau`; every report prints the
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 import sys
@@ -204,6 +205,9 @@ class MethodResult:
     # a downstream method's validation metric at its curve's step 0 (Learn2pFed: the initial
     # Theta), mean over its seeds, on the rows `val` is on
     initial_val: float | None = None
+    # the standard error of `val` (the seeds' own, `selection.validation_score`, combined as
+    # independent), None where a run logged none
+    val_se: float | None = None
 
     @property
     def too_few_rounds(self) -> list[tuple[int, int, int]]:
@@ -254,6 +258,12 @@ def test_selected(client, run_ids: list[str], metric: str) -> float | None:
 def _mean(runs: list, key: str) -> float | None:
     values = [run.data.metrics[key] for run in runs if key in run.data.metrics]
     return statistics.fmean(values) if values else None
+
+
+def _mean_se(runs: list, key: str) -> float | None:
+    """The standard error of the mean over runs of values whose own standard errors are `key`."""
+    values = [run.data.metrics.get(key) for run in runs]
+    return None if not values or None in values else math.sqrt(sum(v * v for v in values)) / len(values)
 
 
 def initial_validation(client, run_ids: list[str], metric: str) -> float | None:
@@ -308,6 +318,7 @@ def method_result(client, method: str, by_seed: dict[int, object], metric: str,
         validation_rows=next((r.data.tags["validation_rows"] for r in runs if "validation_rows" in r.data.tags),
                              ALL_VALIDATION),
         rule=rule,
+        val_se=_mean_se(runs, f"selected/val/personalized/{metric}_se"),
     )
 
 
@@ -656,11 +667,12 @@ def tuning_lines(tuning: dict | None) -> list[str]:
              f"{', '.join(map(str, seeds))} of the validation metric at {tuning['rounds_fraction']:.0%} of its rounds "
              f"(`{tuning['selected_on']}` at its selected round; the test split is not read), over the grid below "
              f"(`tuning/{tuning['experiment']}.json`, stage `tune-{tuning['experiment']}`: "
-             f"{tuning['seconds'] / 60:.1f} min of training on the machine that ran it). A choice at a grid's "
-             "edge widened the grid one step past it, within the key's bounds, and the new points trained; "
-             "values in italics are those widenings. ◆: the choice stays at the edge, so the best may lie "
-             "beyond it; the last column says why.", "",
-             "| method | grid | chosen | validation | points finished | ◆ why |", "|---|---|---|---|---|---|"]
+             f"{tuning['seconds'] / 60:.1f} min of training on the machine that ran it). Of the points within "
+             "noise of the best (its standard error and theirs combined), the choice is the one deepest inside "
+             "its grid. A choice at a grid's edge widened the grid one step past it, within the key's bounds, "
+             "and the new points trained; values in italics are those widenings. ◆: the choice stays at the "
+             "edge, so the best may lie beyond it; the last column says why.", "",
+             "| method | grid | chosen | validation (± SE) | points finished | ◆ why |", "|---|---|---|---|---|---|"]
     for method, entry in tuning["methods"].items():
         grid = "; ".join(f"{_key(key)} {', '.join(_value(v) if v in entry['grid'][key] else f'*{_value(v)}*' for v in values)}"
                          for key, values in entry["tried"].items())
@@ -669,7 +681,8 @@ def tuning_lines(tuning: dict | None) -> list[str]:
                             for key, v in entry["chosen"].items()))
         finished = sum(not isinstance(v, str) for v in entry["points"].values())
         val, why = entry["val"], "; ".join(f"{_key(key)}: {reason}" for key, reason in entry["edge_reasons"].items())
-        lines.append(f"| {method} | {grid} | {chosen} | {'–' if val is None else f'{val:.4f}'} "
+        noise = f" ± {entry['se']:.4f}" if entry.get("se") else ""
+        lines.append(f"| {method} | {grid} | {chosen} | {'–' if val is None else f'{val:.4f}{noise}'} "
                      f"| {finished}/{len(entry['points'])} | {why or '–'} |")
     return lines
 

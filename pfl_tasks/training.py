@@ -189,11 +189,13 @@ def train_run(
                 return f"{broken} is not finite after round {done}"
             if done % fedcfg.eval_every == 0 or done == fedcfg.rounds:
                 evaluation = steps.evaluate(fed, done, state)
+                score = validation_score(evaluation.metrics, data.task)
                 history.append({"round": done, **summarize_eval(evaluation.metrics), **spent,
+                                **({} if score is None else {f"val/personalized/{PRIMARY[data.task]}_se": score[1]}),
                                 "compute/eval_grad_samples": evaluation.grad_samples,
                                 "rounds/skipped": skipped, **fed.algorithm.round_metrics(state.server)})
                 tables["last"] = evaluation.metrics
-                if selection.offer(len(history) - 1, validation_score(evaluation.metrics, data.task)):
+                if selection.offer(len(history) - 1, score):
                     tables["selected"] = evaluation.metrics
             return None
 

@@ -3,9 +3,9 @@
 Every method of an experiment with a `tuning.<experiment>` section runs, on its tuning seeds
 at a fraction of the rounds, each point of its grid: the local learning rate (`lr`, for the
 methods whose steps use it) times the values of its key hyper-parameters (`hyper.<method>`,
-from its paper's range). The point whose validation metric at its selected round, mean over
-the seeds, is best is the method's choice; the test split is read by nothing here. A choice at
-a grid's edge widens that key's values one step past it (`widened`), within its bounds, and
+from its paper's range). Each point scores its validation metric at its selected round, mean
+over the seeds; of the points within noise of the best, the one deepest inside its grid is the
+method's choice (`choose`); the test split is read by nothing here. A choice at a grid's edge widens that key's values one step past it (`widened`), within its bounds, and
 the new points train, until no choice is at an edge it may pass or `extensions` are spent;
 what stays at an edge says why. The choices are a small committed file,
 `tuning/<experiment>.json`, which the experiment's training runs read (`tuned`): a fresh
@@ -25,6 +25,7 @@ from pfl_tasks.config import Params, ResolvedExperiment, RunOverride, parse_para
 from pfl_tasks.engine.evaluate import HIGHER_IS_BETTER
 from pfl_tasks.errors import ConfigError
 from pfl_tasks.grid import label, set_dotted
+from pfl_tasks.selection import within_noise
 
 TUNING = Path("tuning")
 LOCAL_LR = "local.optimizer.lr"  # a grid's key for the local learning rate; the others are hyper-parameters
@@ -173,12 +174,26 @@ def on_grid(grid: dict[str, list], chosen) -> bool:
                     for key, values in grid.items()))
 
 
+def depth(grid: dict[str, list], point: dict) -> int:
+    """How far inside its grid a point is: over the keys of 2+ numbers, the steps from its
+    value to the nearer end, summed."""
+    out = 0
+    for key, values in grid.items():
+        if len(values) > 1 and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+            rank = sorted(values).index(point[key])
+            out += min(rank, len(values) - 1 - rank)
+    return out
+
+
 def choose(params: Params, experiment: str, results: list, seconds: float,
            tried: dict[str, dict[str, list]] | None = None) -> dict:
     """The tuning file's content: per method its configured and `tried` grids, every point's
-    validation metric, mean over the tuning seeds (or why it has none), the choice (the best;
-    the earlier point on a tie), the edges it sits on with why each stays (were no widening to
-    follow) and its compute. `results`: the tuning experiment's MethodResults
+    validation metric, mean over the tuning seeds (or why it has none), and its standard error
+    (`points_se`); the best point, and the choice: of the points within noise of the best
+    (`selection.within_noise`), the one deepest inside its grid (`depth`), the better score
+    next, the earlier point last, so that a choice stays at an edge only where the edge beats
+    the points inside by more than noise; the edges it sits on with why each stays (were no
+    widening to follow) and its compute. `results`: the tuning experiment's MethodResults
     (`pfl_tasks.reports`)."""
     by_name = {r.method: r for r in results}
     metric = next((r.metric for r in results), "acc")
@@ -189,15 +204,21 @@ def choose(params: Params, experiment: str, results: list, seconds: float,
     for run, grid in grids(params, experiment).items():
         named = {name: point for name, (of, point) in every.items() if of == run}
         scores = {name: score(by_name.get(name), seeds) for name in named}
-        finished = [name for name, value in scores.items() if not isinstance(value, str)]
-        best = better(finished, key=lambda name: scores[name]) if finished else None
-        chosen = named[best] if best else None
+        noise = {name: by_name[name].val_se or 0.0 for name, value in scores.items() if not isinstance(value, str)}
+        best = better(noise, key=lambda name: scores[name]) if noise else None
+        tied = [name for name in noise if within_noise((scores[best], noise[best]), (scores[name], noise[name]),
+                                                        HIGHER_IS_BETTER[metric])]
+        sign = 1 if HIGHER_IS_BETTER[metric] else -1
+        choice = max(tied, key=lambda name: (depth(tried[run], named[name]), sign * scores[name])) if tied else None
+        chosen = named[choice] if choice else None
         at = edges(tried[run], chosen) if chosen else {}
         methods[run] = {
-            "grid": grid, "tried": tried[run], "chosen": chosen, "val": scores.get(best), "at_edge": list(at),
+            "grid": grid, "tried": tried[run], "chosen": chosen, "val": scores.get(choice),
+            "se": noise.get(choice), "best": named[best] if best else None, "at_edge": list(at),
             "edge_reasons": {key: edge_reason(params, experiment, run, key, tried[run][key], edge)
                              for key, edge in at.items()},
-            "points": scores, "grad_samples": sum(by_name[n].grad_samples or 0 for n in named if n in by_name)}
+            "points": scores, "points_se": noise,
+            "grad_samples": sum(by_name[n].grad_samples or 0 for n in named if n in by_name)}
     return {"experiment": experiment, "metric": metric, "selected_on": f"validation/personalized/{metric}_mean",
             "seeds": seeds, "rounds_fraction": cfg.rounds_fraction, "seconds": round(seconds), "methods": methods}
 

@@ -73,6 +73,23 @@ def test_tuning_picks_the_validation_best_point_never_the_test_best_and_marks_a_
     assert (record["seeds"], record["seconds"], record["selected_on"]) == ([3, 4], 12, "validation/personalized/acc_mean")
 
 
+def test_of_the_points_within_noise_of_the_best_the_choice_is_the_one_deepest_inside_its_grid():
+    raw = tuning_raw()
+    raw["tuning"]["tiny"]["lr"] = [0.005, 0.05, 0.5]
+    params = validate_params(parse_params(raw))
+
+    def local(noise: float) -> dict:
+        results = [replace(seeded(f"local_lr{lr}", 0.7, val), val_se=noise)
+                   for lr, val in (("0.005", 0.70), ("0.05", 0.79), ("0.5", 0.80))]
+        return choose(params, "tiny", results, seconds=1)["methods"]["local"]
+
+    quiet, noisy = local(noise=0.001), local(noise=0.01)
+    assert quiet["chosen"] == quiet["best"] == {LOCAL_LR: 0.5} and quiet["at_edge"] == [LOCAL_LR]  # beyond noise
+    assert noisy["chosen"] == {LOCAL_LR: 0.05} and noisy["best"] == {LOCAL_LR: 0.5}  # 0.01 short: within noise
+    assert (noisy["at_edge"], noisy["val"], noisy["se"]) == ([], 0.79, 0.01)
+    assert noisy["points_se"] == {"local_lr0.005": 0.01, "local_lr0.05": 0.01, "local_lr0.5": 0.01}
+
+
 def test_the_next_value_past_an_edge_repeats_the_step_there_within_the_bound():
     assert beyond([0.1, 0.3, 1.0], "high", [0.01, 10.0]) == 3.0  # the ratio 1/0.3 again, to 1 digit
     assert beyond([0.1, 0.3, 1.0], "low", [0.01, 10.0]) == 0.03
@@ -150,28 +167,31 @@ def test_a_run_override_names_its_key_and_an_experiment_without_tuning_is_as_con
 
 
 @pytest.mark.slow
-def test_the_stage_trains_each_widened_point_once_until_its_choice_is_inside_or_at_the_bound(project, prefect_harness):
-    """`flows.tune` end to end: Local at learning rates too small to train in 2 rounds chooses
-    its largest each time, so its grid widens (x2 a step) up to the bound; every point runs once
-    on both tuning seeds, and the file it writes is what training reads."""
+def test_the_stage_trains_each_widened_point_once_until_its_choice_is_inside_its_grid(project, prefect_harness):
+    """`flows.tune` end to end: Local, at learning rates too small for 2 rounds, is best at its
+    largest each time beyond noise, so its grid widens (x3 a step) up to the bound 0.1, where
+    0.1 beats 0.09 by less than noise: the choice is 0.09, inside. Every point runs once on both
+    tuning seeds, though the stage pins its params files, and the file it writes is what
+    training reads."""
     import mlflow
     import yaml
 
     from conftest import mlflow_uri
     from flows.tune import tune_flow
+    from pfl_tasks.config import params_snapshot
 
     raw = tiny_params(algorithms=["local"], seeds=[0, 1, 2])
     raw["tracking"] = {"mlflow_uri": mlflow_uri()}
-    raw["tuning"] = {"tiny": {"lr": [0.001, 0.002], "lr_bounds": [0.001, 0.008], "extensions": 3}}
+    raw["tuning"] = {"tiny": {"lr": [0.003, 0.01], "lr_bounds": [0.003, 0.1], "extensions": 3}}
     (project / "params.yaml").write_text(yaml.safe_dump(raw))
-    record = tune_flow("tiny", str(project / "params.yaml"), str(project))
-    local = record["methods"]["local"]
-    assert local["tried"] == {LOCAL_LR: [0.001, 0.002, 0.004, 0.008]} and local["chosen"] == {LOCAL_LR: 0.008}
-    assert local["edge_reasons"] == {LOCAL_LR: "at its bound 0.008"} and record["seeds"] == [0, 1]
-    assert set(local["points"]) == {"local_lr0.001", "local_lr0.002", "local_lr0.004", "local_lr0.008"}
+    with params_snapshot():  # as the stage runs it: its params file pinned at its first read
+        record = tune_flow("tiny", str(project / "params.yaml"), str(project))
+    local, lrs = record["methods"]["local"], ("0.003", "0.01", "0.03", "0.09", "0.1")
+    assert local["tried"] == {LOCAL_LR: [float(lr) for lr in lrs]} and record["seeds"] == [0, 1]
+    assert (local["best"], local["chosen"], local["at_edge"]) == ({LOCAL_LR: 0.1}, {LOCAL_LR: 0.09}, [])
+    assert set(local["points"]) == {f"local_lr{lr}" for lr in lrs}
     mlflow.set_tracking_uri(mlflow_uri())
     runs = mlflow.search_runs(experiment_names=[tune_name("tiny")], filter_string="attributes.status = 'FINISHED'")
-    assert sorted(runs["tags.mlflow.runName"]) == sorted(f"local_lr{lr}-seed{s}" for lr in ("0.001", "0.002", "0.004", "0.008")
-                                                         for s in (0, 1))
+    assert sorted(runs["tags.mlflow.runName"]) == sorted(f"local_lr{lr}-seed{s}" for lr in lrs for s in (0, 1))
     params = validate_params(parse_params(raw))
-    assert tuned(params, "tiny", project).for_run("local").local.optimizer.lr == 0.008
+    assert tuned(params, "tiny", project).for_run("local").local.optimizer.lr == 0.09
