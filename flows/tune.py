@@ -43,7 +43,6 @@ from pfl_tasks.algorithms import validate_params
 from pfl_tasks.config import load_params, read_params, snapshot_write
 from pfl_tasks.data import PARTITIONS
 from pfl_tasks.errors import ConfigError
-from pfl_tasks.files import atomic_write_text
 from pfl_tasks.outputs import json_text
 from pfl_tasks.tuning import choose, grids, tune_name, tuning_params, tuning_path, widened
 
@@ -91,7 +90,7 @@ def tune_flow(experiment: str, params_path: str = "params.yaml", root: str = "."
         print(f"{experiment}: widening the grids of {', '.join(grown)} past the edges chosen")
         tried = wider
     record = choose(params, experiment, results, seconds, tried)
-    atomic_write_text(tuning_path(Path(root), experiment), json_text(record))
+    snapshot_write(tuning_path(Path(root), experiment), json_text(record))
     for method, entry in record["methods"].items():
         edge = "".join(f" (at the grid's edge in {key}: {why})" for key, why in entry["edge_reasons"].items())
         chosen = entry["chosen"] if entry["chosen"] is not None else "none: no grid point finished"

@@ -205,8 +205,8 @@ class MethodResult:
     # a downstream method's validation metric at its curve's step 0 (Learn2pFed: the initial
     # Theta), mean over its seeds, on the rows `val` is on
     initial_val: float | None = None
-    # the standard error of `val` (the seeds' own, `selection.validation_score`, combined as
-    # independent), None where a run logged none
+    # the standard error of `val` from its runs' validation rows (`selection.validation_score`,
+    # `_mean_se`), None where a run logged none
     val_se: float | None = None
 
     @property
@@ -260,10 +260,16 @@ def _mean(runs: list, key: str) -> float | None:
     return statistics.fmean(values) if values else None
 
 
-def _mean_se(runs: list, key: str) -> float | None:
-    """The standard error of the mean over runs of values whose own standard errors are `key`."""
+def _mean_se(runs: list, key: str, hashes: dict[int, str]) -> float | None:
+    """The standard error of the mean over runs of values whose own standard errors are `key`:
+    combined as independent where the runs' partitions differ, their mean where the runs share
+    one (the same validation rows, so not independent samples of them)."""
     values = [run.data.metrics.get(key) for run in runs]
-    return None if not values or None in values else math.sqrt(sum(v * v for v in values)) / len(values)
+    if not values or None in values:
+        return None
+    if len(set(hashes.values())) == 1:
+        return statistics.fmean(values)
+    return math.sqrt(sum(v * v for v in values)) / len(values)
 
 
 def initial_validation(client, run_ids: list[str], metric: str) -> float | None:
@@ -318,7 +324,7 @@ def method_result(client, method: str, by_seed: dict[int, object], metric: str,
         validation_rows=next((r.data.tags["validation_rows"] for r in runs if "validation_rows" in r.data.tags),
                              ALL_VALIDATION),
         rule=rule,
-        val_se=_mean_se(runs, f"selected/val/personalized/{metric}_se"),
+        val_se=_mean_se(runs, f"selected/val/personalized/{metric}_se", hashes),
     )
 
 
@@ -668,11 +674,13 @@ def tuning_lines(tuning: dict | None) -> list[str]:
              f"(`{tuning['selected_on']}` at its selected round; the test split is not read), over the grid below "
              f"(`tuning/{tuning['experiment']}.json`, stage `tune-{tuning['experiment']}`: "
              f"{tuning['seconds'] / 60:.1f} min of training on the machine that ran it). Of the points within "
-             "noise of the best (its standard error and theirs combined), the choice is the one deepest inside "
-             "its grid. A choice at a grid's edge widened the grid one step past it, within the key's bounds, "
+             "noise of the best (short of it by at most their standard errors combined, the validation rows' "
+             "sampling noise; – where none was logged), the choice is the one with the most keys inside their "
+             "grids. A choice at a grid's edge widened the grid one step past it, within the key's bounds, "
              "and the new points trained; values in italics are those widenings. ◆: the choice stays at the "
              "edge, so the best may lie beyond it; the last column says why.", "",
-             "| method | grid | chosen | validation (± SE) | points finished | ◆ why |", "|---|---|---|---|---|---|"]
+             "| method | grid | chosen | validation (± SE) | best, where not chosen | points finished | ◆ why |",
+             "|---|---|---|---|---|---|---|"]
     for method, entry in tuning["methods"].items():
         grid = "; ".join(f"{_key(key)} {', '.join(_value(v) if v in entry['grid'][key] else f'*{_value(v)}*' for v in values)}"
                          for key, values in entry["tried"].items())
@@ -681,9 +689,12 @@ def tuning_lines(tuning: dict | None) -> list[str]:
                             for key, v in entry["chosen"].items()))
         finished = sum(not isinstance(v, str) for v in entry["points"].values())
         val, why = entry["val"], "; ".join(f"{_key(key)}: {reason}" for key, reason in entry["edge_reasons"].items())
-        noise = f" ± {entry['se']:.4f}" if entry.get("se") else ""
-        lines.append(f"| {method} | {grid} | {chosen} | {'–' if val is None else f'{val:.4f}{noise}'} "
-                     f"| {finished}/{len(entry['points'])} | {why or '–'} |")
+        noise = "–" if entry.get("se") is None else f"{entry['se']:.4f}"
+        best = entry.get("best")
+        other = ("–" if best in (None, entry["chosen"]) else
+                 f"{', '.join(f'{_key(key)} {_value(v)}' for key, v in best.items())}: {entry['best_val']:.4f}")
+        lines.append(f"| {method} | {grid} | {chosen} | {'–' if val is None else f'{val:.4f} ± {noise}'} "
+                     f"| {other} | {finished}/{len(entry['points'])} | {why or '–'} |")
     return lines
 
 

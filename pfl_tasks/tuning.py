@@ -4,10 +4,11 @@ Every method of an experiment with a `tuning.<experiment>` section runs, on its 
 at a fraction of the rounds, each point of its grid: the local learning rate (`lr`, for the
 methods whose steps use it) times the values of its key hyper-parameters (`hyper.<method>`,
 from its paper's range). Each point scores its validation metric at its selected round, mean
-over the seeds; of the points within noise of the best, the one deepest inside its grid is the
-method's choice (`choose`); the test split is read by nothing here. A choice at a grid's edge widens that key's values one step past it (`widened`), within its bounds, and
-the new points train, until no choice is at an edge it may pass or `extensions` are spent;
-what stays at an edge says why. The choices are a small committed file,
+over the seeds; of the points within noise of the best, the one with the most keys inside
+their grids is the method's choice (`choose`); the test split is read by nothing here. A
+choice at a grid's edge widens that key's values one step past it (`widened`), within its
+bounds, and the new points train, until no choice is at an edge it may pass or `extensions`
+are spent; what stays at an edge says why. The choices are a small committed file,
 `tuning/<experiment>.json`, which the experiment's training runs read (`tuned`): a fresh
 clone reuses it, and DVC reruns the stage when the grid, the experiment or the code changes.
 """
@@ -94,12 +95,17 @@ def tuning_params(raw: dict, params: Params, experiment: str, tried: dict[str, d
     return raw
 
 
+def all_numbers(values: list) -> bool:
+    """Whether a grid's values are all numbers (ints or floats, not bools): those it can widen."""
+    return all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
+
+
 def edges(grid: dict[str, list], chosen: dict) -> dict[str, str]:
     """key -> "low" or "high", for the keys whose choice is the smallest or largest of 2+
     numbers: the best may lie beyond."""
     out = {}
     for key, values in grid.items():
-        if len(values) > 1 and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+        if len(values) > 1 and all_numbers(values):
             if chosen[key] == min(values):
                 out[key] = "low"
             elif chosen[key] == max(values):
@@ -174,50 +180,45 @@ def on_grid(grid: dict[str, list], chosen) -> bool:
                     for key, values in grid.items()))
 
 
-def depth(grid: dict[str, list], point: dict) -> int:
-    """How far inside its grid a point is: over the keys of 2+ numbers, the steps from its
-    value to the nearer end, summed."""
-    out = 0
-    for key, values in grid.items():
-        if len(values) > 1 and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
-            rank = sorted(values).index(point[key])
-            out += min(rank, len(values) - 1 - rank)
-    return out
+def inside(grid: dict[str, list], point: dict) -> int:
+    """How many of a point's keys of 2+ numbers sit inside their grid, at neither end."""
+    return sum(min(values) < point[key] < max(values) for key, values in grid.items()
+               if len(values) > 1 and all_numbers(values))
 
 
 def choose(params: Params, experiment: str, results: list, seconds: float,
            tried: dict[str, dict[str, list]] | None = None) -> dict:
     """The tuning file's content: per method its configured and `tried` grids, every point's
     validation metric, mean over the tuning seeds (or why it has none), and its standard error
-    (`points_se`); the best point, and the choice: of the points within noise of the best
-    (`selection.within_noise`), the one deepest inside its grid (`depth`), the better score
-    next, the earlier point last, so that a choice stays at an edge only where the edge beats
-    the points inside by more than noise; the edges it sits on with why each stays (were no
-    widening to follow) and its compute. `results`: the tuning experiment's MethodResults
-    (`pfl_tasks.reports`)."""
+    (`points_se`; None where its runs logged none: then only an exact tie counts as noise); the
+    best point, and the choice: of the points within noise of the best
+    (`selection.within_noise`), the one with the most keys inside their grids (`inside`), the
+    better score next, the earlier point last, so that a choice sits at an edge only where the
+    edge beats every point inside by more than noise; the edges it sits on with why each stays
+    (were no widening to follow) and its compute. `results`: the tuning experiment's
+    MethodResults (`pfl_tasks.reports`)."""
     by_name = {r.method: r for r in results}
     metric = next((r.metric for r in results), "acc")
-    better = max if HIGHER_IS_BETTER[metric] else min
+    higher, sign = HIGHER_IS_BETTER[metric], 1 if HIGHER_IS_BETTER[metric] else -1
     cfg, seeds = params.tuning[experiment], tuning_seeds(params, experiment)
     tried = tried or grids(params, experiment)
     methods, every = {}, points(params, experiment, tried)
     for run, grid in grids(params, experiment).items():
         named = {name: point for name, (of, point) in every.items() if of == run}
         scores = {name: score(by_name.get(name), seeds) for name in named}
-        noise = {name: by_name[name].val_se or 0.0 for name, value in scores.items() if not isinstance(value, str)}
-        best = better(noise, key=lambda name: scores[name]) if noise else None
-        tied = [name for name in noise if within_noise((scores[best], noise[best]), (scores[name], noise[name]),
-                                                        HIGHER_IS_BETTER[metric])]
-        sign = 1 if HIGHER_IS_BETTER[metric] else -1
-        choice = max(tied, key=lambda name: (depth(tried[run], named[name]), sign * scores[name])) if tied else None
+        se = {name: by_name[name].val_se for name, value in scores.items() if not isinstance(value, str)}
+        best = max(se, key=lambda name: sign * scores[name]) if se else None
+        tied = [name for name in se
+                if within_noise((scores[best], se[best] or 0.0), (scores[name], se[name] or 0.0), higher)]
+        choice = max(tied, key=lambda name: (inside(tried[run], named[name]), sign * scores[name])) if tied else None
         chosen = named[choice] if choice else None
         at = edges(tried[run], chosen) if chosen else {}
         methods[run] = {
-            "grid": grid, "tried": tried[run], "chosen": chosen, "val": scores.get(choice),
-            "se": noise.get(choice), "best": named[best] if best else None, "at_edge": list(at),
+            "grid": grid, "tried": tried[run], "chosen": chosen, "val": scores.get(choice), "se": se.get(choice),
+            "best": named[best] if best else None, "best_val": scores.get(best), "at_edge": list(at),
             "edge_reasons": {key: edge_reason(params, experiment, run, key, tried[run][key], edge)
                              for key, edge in at.items()},
-            "points": scores, "points_se": noise,
+            "points": scores, "points_se": se,
             "grad_samples": sum(by_name[n].grad_samples or 0 for n in named if n in by_name)}
     return {"experiment": experiment, "metric": metric, "selected_on": f"validation/personalized/{metric}_mean",
             "seeds": seeds, "rounds_fraction": cfg.rounds_fraction, "seconds": round(seconds), "methods": methods}
@@ -254,12 +255,13 @@ def read_tuning(root: Path, experiment: str) -> dict | None:
 
 def checked_tuning(params: Params, experiment: str, root: Path) -> dict | None:
     """The experiment's tuning file (None when there is none), refused in one line naming it
-    unless it holds, for each method, a choice over the configured grid, widened or not, that
-    is one of the points it tried."""
+    unless it holds, for each method, a choice by `choose`'s rule over the configured grid,
+    widened or not, that is one of the points it tried."""
     record, path = read_tuning(root, experiment), tuning_path(root, experiment)
     for run, grid in grids(params, experiment).items() if record is not None else ():
         entry = record["methods"].get(run)
-        if not isinstance(entry, dict) or entry.get("grid") != grid or not isinstance(entry.get("tried"), dict):
+        if (not isinstance(entry, dict) or entry.get("grid") != grid or not isinstance(entry.get("tried"), dict)
+                or "best" not in entry):  # no "best": chosen by an earlier rule, blind to noise
             raise ConfigError(f"{path}: holds no choice for {run} over its grid {grid}: the grid or the tuning "
                               f"changed since; rerun `dvc repro tune-{experiment}`")
         chosen, tried = entry.get("chosen"), entry["tried"]  # chosen None: no grid point finished

@@ -52,6 +52,23 @@ def test_a_params_edit_during_a_stage_runs_nothing_of_it_and_fails_the_stage(
     assert configured_lr(project, "fedavg") == configured_lr(project, "fedprox") == 0.1
 
 
+def test_a_config_the_stage_writes_itself_is_read_as_written_and_an_edit_after_it_still_fails(tmp_path):
+    """`snapshot_write` (the tune stage widening its grid): later reads inside the stage return
+    the new version and the stage ends cleanly; someone else's edit after it still fails it."""
+    from pfl_tasks.config import params_snapshot, snapshot_read, snapshot_write
+    from pfl_tasks.errors import ConfigError
+
+    path = tmp_path / "params.yaml"
+    path.write_text("a: 1\n")
+    with params_snapshot():
+        assert snapshot_read(path) == b"a: 1\n"
+        snapshot_write(path, "a: 2\n")
+        assert snapshot_read(path) == b"a: 2\n"
+    with pytest.raises(ConfigError, match="changed during the stage"), params_snapshot():
+        snapshot_write(path, "a: 3\n")
+        path.write_text("a: 4\n")
+
+
 def test_learn2pfed_refuses_an_upstream_checkpoint_of_other_params_in_one_line(project, monkeypatch, capsys):
     """The body Learn2pFed takes features from must be the train stage's current run: one
     trained with `hidden: [16]` is refused once the params say [32]."""

@@ -45,12 +45,13 @@ def test_the_grid_is_every_lr_times_every_key_value_at_a_fraction_of_each_method
     assert (l2sgd.federation.rounds, exp.hyper["l2sgd_lr2.0"]) == (20, {"p": 0.5, "algorithm": "l2sgd", "lr": 2.0})
 
 
-def seeded(method: str, test: float, val: float, seeds=(3, 4)):
-    """A ranked tuning point over the tuning seeds of `tuning_raw` (its mean validation `val`)."""
-    return replace(ranked_result(method, test, val), seeds=list(seeds))
+def seeded(method: str, test: float, val: float, seeds=(3, 4), se: float | None = 0.001):
+    """A ranked tuning point over the tuning seeds of `tuning_raw` (its mean validation `val`,
+    with standard error `se`)."""
+    return replace(ranked_result(method, test, val), seeds=list(seeds), val_se=se)
 
 
-def test_tuning_picks_the_validation_best_point_never_the_test_best_and_marks_a_choice_at_the_edge():
+def test_tuning_picks_the_validation_best_beyond_noise_never_the_test_best_and_marks_a_choice_at_the_edge():
     params = validate_params(parse_params(tuning_raw()))
     results = [
         seeded("fedprox_lr0.05_mu0.01", test=0.95, val=0.80),  # best on test
@@ -73,21 +74,33 @@ def test_tuning_picks_the_validation_best_point_never_the_test_best_and_marks_a_
     assert (record["seeds"], record["seconds"], record["selected_on"]) == ([3, 4], 12, "validation/personalized/acc_mean")
 
 
-def test_of_the_points_within_noise_of_the_best_the_choice_is_the_one_deepest_inside_its_grid():
+def test_of_the_points_within_noise_of_the_best_the_choice_has_the_most_keys_inside_their_grids():
     raw = tuning_raw()
     raw["tuning"]["tiny"]["lr"] = [0.005, 0.05, 0.5]
+    raw["tuning"]["tiny"]["hyper"]["fedprox"]["mu"] = [0.001, 0.01, 1.0]
     params = validate_params(parse_params(raw))
+    lrs = (("0.005", 0.70), ("0.05", 0.79), ("0.5", 0.80))
 
-    def local(noise: float) -> dict:
-        results = [replace(seeded(f"local_lr{lr}", 0.7, val), val_se=noise)
-                   for lr, val in (("0.005", 0.70), ("0.05", 0.79), ("0.5", 0.80))]
+    def local(se: float | None, metric: str = "acc") -> dict:
+        results = [replace(seeded(f"local_lr{lr}", 0.7, val if metric == "acc" else 1 - val, se=se), metric=metric)
+                   for lr, val in lrs]
         return choose(params, "tiny", results, seconds=1)["methods"]["local"]
 
-    quiet, noisy = local(noise=0.001), local(noise=0.01)
+    quiet, noisy, unknown = local(se=0.001), local(se=0.01), local(se=None)
     assert quiet["chosen"] == quiet["best"] == {LOCAL_LR: 0.5} and quiet["at_edge"] == [LOCAL_LR]  # beyond noise
     assert noisy["chosen"] == {LOCAL_LR: 0.05} and noisy["best"] == {LOCAL_LR: 0.5}  # 0.01 short: within noise
-    assert (noisy["at_edge"], noisy["val"], noisy["se"]) == ([], 0.79, 0.01)
-    assert noisy["points_se"] == {"local_lr0.005": 0.01, "local_lr0.05": 0.01, "local_lr0.5": 0.01}
+    assert (noisy["at_edge"], noisy["val"], noisy["se"], noisy["best_val"]) == ([], 0.79, 0.01, 0.80)
+    assert unknown["chosen"] == {LOCAL_LR: 0.5} and unknown["points_se"] == dict.fromkeys(unknown["points"])
+    assert local(se=0.01, metric="mse")["chosen"] == {LOCAL_LR: 0.05}  # MSE: lower is better, the same rule
+    assert local(se=0.001, metric="mse")["chosen"] == {LOCAL_LR: 0.5}
+    row = next(line for line in tuning_lines(choose(params, "tiny", [], seconds=1) | {"methods": {"local": noisy}})
+               if line.startswith("| local |"))
+    assert row == "| local | lr 0.005, 0.05, 0.5 | lr 0.05 | 0.7900 ± 0.0100 | lr 0.5: 0.8000 | 3/3 | – |"
+    # FedProx: lr 0.5 (an edge) and mu 0.01 (inside) are best; lr 0.05 with mu 1.0 is within noise but
+    # at mu's edge; lr 0.05 with mu 0.01, inside both, is further short but within noise too: chosen
+    fedprox = [seeded("fedprox_lr0.5_mu0.01", 0.7, 0.800, se=0.005), seeded("fedprox_lr0.05_mu1.0", 0.7, 0.799, se=0.005),
+               seeded("fedprox_lr0.05_mu0.01", 0.7, 0.795, se=0.005), seeded("fedprox_lr0.005_mu0.001", 0.7, 0.5)]
+    assert choose(params, "tiny", fedprox, seconds=1)["methods"]["fedprox"]["chosen"] == {LOCAL_LR: 0.05, "mu": 0.01}
 
 
 def test_the_next_value_past_an_edge_repeats_the_step_there_within_the_bound():
