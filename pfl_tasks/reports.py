@@ -676,8 +676,8 @@ def tuning_lines(tuning: dict | None) -> list[str]:
              f"{tuning['seconds'] / 60:.1f} min of training on the machine that ran it). Of the points within "
              "noise of the best (short of it by at most their standard errors combined, the validation rows' "
              "sampling noise; – where none was logged), the choice is the one with the most keys inside their "
-             "grids. A choice at a grid's edge widened the grid one step past it, within the key's bounds, "
-             "and the new points trained; values in italics are those widenings. ◆: the choice stays at the "
+             "grids. A best point at a grid's edge widened the grid one step past it, within the key's "
+             "bounds, and the new points trained; values in italics are those widenings. ◆: the choice stays at the "
              "edge, so the best may lie beyond it; the last column says why.", "",
              "| method | grid | chosen | validation (± SE) | best, where not chosen | points finished | ◆ why |",
              "|---|---|---|---|---|---|---|"]

@@ -5,10 +5,10 @@ at a fraction of the rounds, each point of its grid: the local learning rate (`l
 methods whose steps use it) times the values of its key hyper-parameters (`hyper.<method>`,
 from its paper's range). Each point scores its validation metric at its selected round, mean
 over the seeds; of the points within noise of the best, the one with the most keys inside
-their grids is the method's choice (`choose`); the test split is read by nothing here. A
-choice at a grid's edge widens that key's values one step past it (`widened`), within its
-bounds, and the new points train, until no choice is at an edge it may pass or `extensions`
-are spent; what stays at an edge says why. The choices are a small committed file,
+their grids is the method's choice (`choose`); the test split is read by nothing here. A best
+point at a grid's edge widens that key's values one step past it (`widened`), within its
+bounds, and the new points train, until no best point is at an edge it may pass or
+`extensions` are spent; a choice that stays at an edge says why. The choices are a small committed file,
 `tuning/<experiment>.json`, which the experiment's training runs read (`tuned`): a fresh
 clone reuses it, and DVC reruns the stage when the grid, the experiment or the code changes.
 """
@@ -146,11 +146,12 @@ def past_edge(params: Params, experiment: str, run: str, key: str, values: list,
 
 def widened(params: Params, experiment: str, record: dict) -> dict[str, dict[str, list]]:
     """Each method's tried grid (`record`, from `choose`), with the next value past every edge
-    its choice sits on, where its bounds allow (`beyond`)."""
+    its best point sits on, where its bounds allow (`beyond`): the best, not the choice, which
+    may sit inside within noise of it, so that no method stops short of a better edge."""
     out = {}
     for run, entry in record["methods"].items():
         grid = {key: list(values) for key, values in entry["tried"].items()}
-        for key, edge in edges(grid, entry["chosen"] or {}).items():
+        for key, edge in edges(grid, entry["best"] or {}).items():
             value = past_edge(params, experiment, run, key, grid[key], edge)
             if value is not None:
                 grid[key] = sorted([*grid[key], value])

@@ -76,7 +76,7 @@ def test_tuning_picks_the_validation_best_beyond_noise_never_the_test_best_and_m
 
 def test_of_the_points_within_noise_of_the_best_the_choice_has_the_most_keys_inside_their_grids():
     raw = tuning_raw()
-    raw["tuning"]["tiny"]["lr"] = [0.005, 0.05, 0.5]
+    raw["tuning"]["tiny"].update(lr=[0.005, 0.05, 0.5], lr_bounds=[0.005, 5.0])
     raw["tuning"]["tiny"]["hyper"]["fedprox"]["mu"] = [0.001, 0.01, 1.0]
     params = validate_params(parse_params(raw))
     lrs = (("0.005", 0.70), ("0.05", 0.79), ("0.5", 0.80))
@@ -90,6 +90,8 @@ def test_of_the_points_within_noise_of_the_best_the_choice_has_the_most_keys_ins
     assert quiet["chosen"] == quiet["best"] == {LOCAL_LR: 0.5} and quiet["at_edge"] == [LOCAL_LR]  # beyond noise
     assert noisy["chosen"] == {LOCAL_LR: 0.05} and noisy["best"] == {LOCAL_LR: 0.5}  # 0.01 short: within noise
     assert (noisy["at_edge"], noisy["val"], noisy["se"], noisy["best_val"]) == ([], 0.79, 0.01, 0.80)
+    # the grid widens past the best's edge, not the choice's: a better lr may lie beyond 0.5
+    assert widened(params, "tiny", {"methods": {"local": noisy}}) == {"local": {LOCAL_LR: [0.005, 0.05, 0.5, 5.0]}}
     assert unknown["chosen"] == {LOCAL_LR: 0.5} and unknown["points_se"] == dict.fromkeys(unknown["points"])
     assert local(se=0.01, metric="mse")["chosen"] == {LOCAL_LR: 0.05}  # MSE: lower is better, the same rule
     assert local(se=0.001, metric="mse")["chosen"] == {LOCAL_LR: 0.5}
