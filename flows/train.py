@@ -20,7 +20,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import contextvars
+import queue
+import signal
 import sys
+import threading
 import time
 from difflib import get_close_matches
 from pathlib import Path
@@ -50,16 +54,21 @@ if __name__ == "__main__":  # --help, and a command-line or config error, answer
     first = arguments().parse_args()
     check_params_first("train", first.params, first.experiment)
 
+import torch
+
 from flows.stage import check_prefect_api, prefect_api, stage_main
-from pfl_tasks.algorithms import ALGORITHMS, validate_params
+from pfl_tasks.algorithms import ALGORITHMS, build, validate_params
 from pfl_tasks.config import load_params
-from pfl_tasks.engine.device import torch_threads, usable_cores
+from pfl_tasks.data import partition_dir
+from pfl_tasks.engine.device import resolve_device, torch_threads, usable_cores
+from pfl_tasks.engine.federation import clients_per_round
 from pfl_tasks.engine.rounds import InlineSteps
-from pfl_tasks.errors import ConfigError
+from pfl_tasks.errors import ConfigError, RunStopped
 from pfl_tasks.numerics import NUMERICS_NOTE
 from pfl_tasks.outputs import pinned_run
+from pfl_tasks.runs import stop_runs
 from pfl_tasks.tracking import open_store, tracking_uri, unmarked_runs
-from pfl_tasks.training import check_inputs, finished_outcome, train_run
+from pfl_tasks.training import check_inputs, finished_outcome, partition, train_run
 from pfl_tasks.tuning import tuned
 
 
@@ -112,26 +121,85 @@ def train_experiment(
     if len(todo) < len(runs):
         print(f"{experiment}: {len(runs) - len(todo)} of {len(runs)} runs already finished under the same "
               "config, data and code: kept")
+    at_once = runs_at_once(exp, todo, Path(root))
     if todo:
         print(f"{experiment}: {exp.engine.numerics} numerics ({NUMERICS_NOTE[exp.engine.numerics]}), "
-              f"{torch_threads(exp.engine)} torch thread(s) a process (engine.threads: {exp.engine.threads}; "
-              f"{usable_cores()} cores, {exp.engine.max_workers} chunk workers)")
+              f"{torch_threads(exp.engine)} torch thread(s) a run (engine.threads: {exp.engine.threads}; "
+              f"{usable_cores()} cores, {exp.engine.max_workers} workers: {at_once} run(s) at once)")
     if orchestrated and todo:
         from flows.prefect_rounds import task_runner, train_flow
+
+    def train_one(key: tuple[str, int]) -> dict[str, float]:
+        run_name, seed = key
+        if orchestrated:
+            return train_flow.with_options(task_runner=task_runner(exp.engine))(
+                experiment, run_name, seed, params_path, root, on_config_change
+            )
+        return train_run(exp.for_run(run_name, seed), run_name, exp.hyper[run_name],
+                         Path(root), InlineSteps(exp.engine.max_workers), on_config_change, params.tracking)
+
     with prefect_api() if orchestrated and todo else contextlib.nullcontext():
-        for run_name, seed in todo:
-            if orchestrated:
-                results[run_name, seed] = train_flow.with_options(task_runner=task_runner(exp.engine))(
-                    experiment, run_name, seed, params_path, root, on_config_change
-                )
-            else:
-                results[run_name, seed] = train_run(
-                    exp.for_run(run_name, seed), run_name, exp.hyper[run_name],
-                    Path(root), InlineSteps(exp.engine.max_workers), on_config_change, params.tracking,
-                )
+        results |= side_by_side(todo, train_one, at_once, torch_threads(exp.engine))
     if todo:
         print(f"{experiment}: {len(todo)} runs trained in {time.monotonic() - started:.0f} s")
     return results
+
+
+def runs_at_once(exp, todo: list[tuple[str, int]], root: Path) -> int:
+    """How many runs train side by side: `engine.max_workers` on CPU threads when every run's
+    round fits one chunk (`engine.chunk_size`), as mnist's 20 clients do (a run then keeps one
+    core busy); else one at a time, its chunks side by side."""
+    if not todo or exp.engine.task_runner != "thread" or resolve_device(exp.engine.device).type != "cpu":
+        return 1
+    widest = max(clients_per_round(exp.for_run(run_name, seed), build(run_name, exp.hyper[run_name]),
+                                   partition(partition_dir(root, exp.dataset, seed)).n_clients)
+                 for run_name, seed in todo)
+    return max(1, exp.engine.max_workers // -(-widest // exp.engine.chunk_size))
+
+
+def side_by_side(todo: list, train_one, at_once: int, threads: int) -> dict:
+    """`train_one(key)` for each key of `todo`, `at_once` at a time, each on a thread of its own
+    that computes with `threads` torch threads (MKL's count is each thread's own: a new thread
+    would take one per core); the results by key, in `todo`'s order. Every run computes what it
+    computes alone. A signal stops every run under way after its round under way (each
+    checkpointed and marked KILLED), as it stops a run in the main thread, and starts no other;
+    a second leaves at once. A failed run lets those under way finish, starts no other, and is
+    raised."""
+    if at_once <= 1 or len(todo) <= 1:
+        return {key: train_one(key) for key in todo}
+    pending, results, failures, stopping = queue.SimpleQueue(), {}, [], threading.Event()
+    for key in todo:
+        pending.put(key)
+
+    def work() -> None:
+        torch.set_num_threads(threads)
+        while not failures and not stopping.is_set():
+            try:
+                key = pending.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                results[key] = train_one(key)
+            except BaseException as err:  # the main thread raises it
+                failures.append(err)
+
+    workers = [threading.Thread(target=contextvars.copy_context().run, args=(work,), name=f"run-{i}", daemon=True)
+               for i in range(min(at_once, len(todo)))]  # each in the stage's context: its Prefect API
+    for worker in workers:
+        worker.start()
+    try:
+        for worker in workers:
+            worker.join()
+    except (RunStopped, KeyboardInterrupt) as stop:
+        stopping.set()
+        while any(worker.is_alive() for worker in workers):  # a second signal leaves them (daemons)
+            stop_runs(getattr(stop, "signum", signal.SIGINT))  # again for a run that began meanwhile
+            for worker in workers:
+                worker.join(0.1)
+        raise
+    if failures:
+        raise failures[0]
+    return {key: results[key] for key in todo}
 
 
 def main(argv: list[str] | None = None) -> int:

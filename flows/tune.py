@@ -50,8 +50,9 @@ SWEEPS = Path("sweeps")  # where sweeps, and tunings, run: each its own params, 
 
 
 def run_seconds(uri: str, results: list) -> float:
-    """The training time of the runs that count, summed (they run one after another): the
-    tuning's full cost, also when this invocation kept runs trained before."""
+    """The training time of the runs that count, summed: the tuning's full cost, also when this
+    invocation kept runs trained before (runs side by side each count their own time, so the
+    stage's wall time is less)."""
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri=uri)

@@ -11,7 +11,8 @@ outputs, and a failure path that leaves nothing RUNNING and nothing half-written
             return run.diverged(*diverged, curve)
         run.finish(final, curve, artifacts)
 
-`play` stops between spans on SIGTERM/SIGHUP/SIGINT.
+`play` stops between spans on SIGTERM/SIGHUP/SIGINT, or when `stop_runs` asks it to (runs on
+other threads than the main one, which get no signal of their own).
 
 `unit` ("round", "epoch") is also the step key of the history records. On an exception or
 signal the run saves `snapshot()` if the state is consistent, marks its MLflow run FAILED
@@ -122,6 +123,19 @@ def checkpoint_problem(ckpt: dict, identity: dict, total: int) -> tuple[str | No
     return problem, unresumable
 
 
+_UNDER_WAY: set[Run] = set()  # this process's runs, for `stop_runs`
+_UNDER_WAY_LOCK = threading.Lock()
+
+
+def stop_runs(signum: int) -> None:
+    """Ask every run under way in this process to stop after its step under way, as signal
+    `signum` asks the main thread's run."""
+    with _UNDER_WAY_LOCK:
+        runs = list(_UNDER_WAY)
+    for run in runs:
+        run.request_stop(signum)
+
+
 # MLflow gets a run's records in batches, at most this often between checkpoints (a store call
 # costs about as much as a small round; what it has not had yet is in the next checkpoint)
 LOG_EVERY_S = 2.0
@@ -161,6 +175,8 @@ class Run:
         if threading.current_thread() is threading.main_thread():
             self._handlers = {sig: signal.signal(sig, self._on_signal)
                               for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)}
+        with _UNDER_WAY_LOCK:
+            _UNDER_WAY.add(self)
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -170,6 +186,8 @@ class Run:
             if exc is not None and not isinstance(exc, OutputLockedError):  # else its outputs are another's now
                 self._fail(exc)
         finally:
+            with _UNDER_WAY_LOCK:
+                _UNDER_WAY.discard(self)
             for sig, handler in self._handlers.items():
                 signal.signal(sig, signal.SIG_DFL if handler is None else handler)
             self._lock.__exit__()
@@ -179,6 +197,11 @@ class Run:
     def _on_signal(self, signum, frame) -> None:
         if self._stop is not None:
             raise RunStopped(signum)
+        self.request_stop(signum)
+
+    def request_stop(self, signum: int) -> None:
+        if self._stop is not None:
+            return
         self._stop = signum
         print(f"{self.label}: {signal.Signals(signum).name}: stopping after this {self.unit} "
               "(again to stop at once)", file=sys.stderr, flush=True)

@@ -186,6 +186,9 @@ def first_line(err: BaseException) -> str:
     return (lines or [type(err).__name__])[0][:300]
 
 
+_EXPERIMENT_CREATION = threading.Lock()
+
+
 class MlflowRun:
     """One MLflow run per (experiment, algorithm, seed); resumable by run id. Every call to the
     store is retried while it fails transiently, up to `retry_seconds`. Metric records go to the
@@ -201,9 +204,11 @@ class MlflowRun:
         self._sender = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mlflow-records")
         self._in_flight: concurrent.futures.Future | None = None
         self.client = StoreClient(tracking_uri(uri))
-        exp = self._call("get experiment", self.client.get_experiment_by_name, experiment)
-        exp_id = exp.experiment_id if exp else self._call(
-            "create experiment", self.client.create_experiment, experiment, artifact_location(tracking_uri(uri), experiment))
+        with _EXPERIMENT_CREATION:  # runs side by side create their experiment once
+            exp = self._call("get experiment", self.client.get_experiment_by_name, experiment)
+            exp_id = exp.experiment_id if exp else self._call(
+                "create experiment", self.client.create_experiment, experiment,
+                artifact_location(tracking_uri(uri), experiment))
         run = None if run_id is None else self._call("get run", stored_run, self.client, run_id)
         self.to_resume = run is not None  # found, not yet set RUNNING again: `resume`
         self._stale_tags = [tag for tag in ("failure", "diverged_at") if run is not None and tag in run.data.tags]

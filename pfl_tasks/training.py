@@ -11,6 +11,7 @@ import functools
 import json
 import math
 import sys
+import threading
 from pathlib import Path
 
 from pfl_tasks.algorithms import build, hyper_parameters, source_file
@@ -59,6 +60,11 @@ def run_identity(exp: ResolvedExperiment, run_name: str, raw_hp: dict, data_hash
         "config": json.dumps(config, sort_keys=True),
         "platform": describe(platform(exp.engine, resolve_device(exp.engine.device))),
     }
+
+
+# a net's construction and its seeded initial parameters (`init_params`) draw from torch's
+# global generator: one run at a time, where runs train side by side on threads
+GLOBAL_RNG = threading.Lock()
 
 
 def partition(directory: Path) -> FederatedData:
@@ -133,7 +139,8 @@ def train_run(
     flow_run_id: str = "",
 ) -> dict[str, float]:
     data = partition(partition_dir(root, exp.dataset, exp.seed))
-    fed = Federation(exp, build(run_name, raw_hp), data)
+    with GLOBAL_RNG:
+        fed = Federation(exp, build(run_name, raw_hp), data)
     paths = RunPaths.of(root, exp.name, run_name, exp.seed)
     identity = run_identity(exp, run_name, raw_hp, data.manifest_hash)
     fedcfg = exp.federation
@@ -142,7 +149,9 @@ def train_run(
              on_config_change=on_config_change) as run:
         ckpt = run.resumed
         if ckpt is None:
-            state, history, tables, spent, skipped = fed.initial_state(), [], {}, dict.fromkeys(COSTS, 0), 0
+            with GLOBAL_RNG:
+                state = fed.initial_state()
+            history, tables, spent, skipped = [], {}, dict.fromkeys(COSTS, 0), 0
             selection = Selection(HIGHER_IS_BETTER[PRIMARY[data.task]])
         else:
             if "selection" not in ckpt:
@@ -150,7 +159,8 @@ def train_run(
                                       "rerun with --on-config-change restart")
             selection = Selection(**ckpt["selection"])
             try:
-                state = fed.restore(ckpt["round"], ckpt["server"], ckpt["clients"])
+                with GLOBAL_RNG:
+                    state = fed.restore(ckpt["round"], ckpt["server"], ckpt["clients"])
             except CheckpointError as err:
                 raise CheckpointError(f"{paths.checkpoint}: {err}") from None
             history, tables, spent, skipped = ckpt["history"], ckpt["tables"], ckpt["spent"], ckpt["skipped"]

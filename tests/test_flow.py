@@ -131,3 +131,95 @@ def test_one_task_per_interval_between_evaluations_is_bit_identical_to_a_task_pe
     assert_same_runs(runs["round"], runs["interval"])
     spans = {"rounds-1-2", "rounds-3-4", "rounds-5-5"}  # evaluations and checkpoints inside them
     assert task_names("tiny_interval-ditto-seed0", spans) == spans
+
+
+def test_runs_side_by_side_under_prefect_equal_runs_one_at_a_time(tmp_path, prepared_digits, prefect_harness,
+                                                                  monkeypatch, capsys):
+    """A round in one chunk leaves a worker idle: the stage trains `engine.max_workers` runs at
+    once, each a Prefect flow on a thread of its own, with the stage's Prefect API."""
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    runs = {}
+    for workers in (1, 2):
+        (tmp_path / str(workers)).mkdir()
+        runs[workers] = train_tiny(tmp_path / str(workers), prepared_digits, f"tiny_workers{workers}",
+                                   chunk_size=128, max_workers=workers)
+        assert f"{workers} workers: {workers} run(s) at once" in capsys.readouterr().out
+    assert_same_runs(runs[1], runs[2])
+
+
+def test_runs_side_by_side_equal_their_runs_alone_across_the_registry(tmp_path, prepared_digits, monkeypatch):
+    """Every algorithm's run computes the same bits beside another run as alone: nothing a run
+    computes with is shared between threads (a generator, a cache, a thread count)."""
+    import shutil
+
+    from flows.train import train_experiment
+    from pfl_tasks.algorithms import ALGORITHMS
+    from pfl_tasks.runs import RunPaths
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    names = sorted(ALGORITHMS)
+    runs = {}
+    for workers in (1, 2):
+        root = tmp_path / str(workers)
+        shutil.copytree(prepared_digits, root / "data" / "partitions" / "digits")
+        data = tiny_params(algorithms=names)
+        data["experiments"][f"tiny_registry{workers}"] = data["experiments"].pop("tiny")
+        data["federation"] = {"rounds": 2, "eval_every": 1, "checkpoint_every": 2}
+        data["engine"] = {"orchestrator": "inline", "device": "cpu", "max_workers": workers}
+        data["tracking"] = {"mlflow_uri": mlflow_uri()}
+        (root / "params.yaml").write_text(yaml.safe_dump(data))
+        finals = train_experiment(f"tiny_registry{workers}", str(root / "params.yaml"), str(root))
+        states = {name: torch.load(RunPaths.of(root, f"tiny_registry{workers}", name, 0).checkpoint,
+                                   weights_only=True) for name in names}
+        runs[workers] = finals, states
+    (alone, alone_states), (beside, beside_states) = runs[1], runs[2]
+    assert list(alone) == list(beside) == [(name, 0) for name in names]
+    for name in names:
+        assert alone[name, 0] == beside[name, 0], name
+        for part in ("server", "clients"):
+            a = torch.utils._pytree.tree_flatten(alone_states[name][part])[0]
+            b = torch.utils._pytree.tree_flatten(beside_states[name][part])[0]
+            assert len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b)), (name, part)
+
+
+def mkl_threads() -> int:
+    """MKL's thread count for the calling thread (torch's own MKL)."""
+    import ctypes
+    from pathlib import Path
+
+    return ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libtorch_cpu.so")).mkl_get_max_threads()
+
+
+def test_runs_side_by_side_compute_with_the_stage_thread_count():
+    """A new thread would run MKL on every core, whatever the main thread set: each run's
+    thread sets its own count."""
+    from flows.train import side_by_side
+
+    seen = {}
+
+    def train_one(key):
+        seen[key] = mkl_threads()
+        return key.upper()
+
+    assert side_by_side(["a", "b", "c"], train_one, 2, 1) == {"a": "A", "b": "B", "c": "C"}
+    assert set(seen.values()) == {1}
+
+
+def test_a_failed_run_side_by_side_lets_the_run_under_way_finish_and_is_raised():
+    import threading
+
+    from flows.train import side_by_side
+
+    beside_started, finished = threading.Event(), []
+
+    def train_one(key):
+        if key == "bad":
+            beside_started.wait()
+            raise ValueError("bad run")
+        beside_started.set()
+        finished.append(key)
+        return key
+
+    with pytest.raises(ValueError, match="bad run"):
+        side_by_side(["bad", "beside"], train_one, 2, 1)
+    assert finished == ["beside"]

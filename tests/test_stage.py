@@ -30,18 +30,19 @@ REPO = Path(__file__).resolve().parents[1]
 ALGORITHMS = ("fedavg", "ditto")
 
 
-def stage_params(uri: str, orchestrator: str) -> dict:
+def stage_params(uri: str, orchestrator: str, chunk_size: int) -> dict:
     data = tiny_params(algorithms=list(ALGORITHMS))
     data["algorithms"]["ditto"] = {"mu": 0.1}
-    data["engine"] = {"orchestrator": orchestrator, "device": "cpu", "chunk_size": 4}
+    data["engine"] = {"orchestrator": orchestrator, "device": "cpu", "chunk_size": chunk_size}
     data["federation"] = {"rounds": 12, "eval_every": 1, "checkpoint_every": 3, "dropout": 0.2}
     data["tracking"] = {"mlflow_uri": uri}
     return data
 
 
-def project_at(root: Path, prepared_digits, orchestrator: str) -> Path:
+def project_at(root: Path, prepared_digits, orchestrator: str, chunk_size: int) -> Path:
     shutil.copytree(prepared_digits, root / "data" / "partitions" / "digits")
-    (root / "params.yaml").write_text(yaml.safe_dump(stage_params(f"sqlite:///{root}/mlflow.db", orchestrator)))
+    (root / "params.yaml").write_text(
+        yaml.safe_dump(stage_params(f"sqlite:///{root}/mlflow.db", orchestrator, chunk_size)))
     return root
 
 
@@ -109,12 +110,16 @@ def states(root: Path) -> dict:
     return {alg: torch.load(RunPaths.of(root, "tiny", alg, 0).checkpoint, weights_only=True) for alg in ALGORITHMS}
 
 
-def test_signals_and_kills_leave_nothing_behind_and_resume_bit_identically(tmp_path_factory, prepared_digits):
+# chunks of 4 of the 6 clients: one run at a time, its two chunks side by side; one chunk: the
+# two runs side by side, each on a thread of its own (`flows.train.side_by_side`)
+@pytest.mark.parametrize("chunk_size", [4, 128], ids=["one_run_at_a_time", "runs_side_by_side"])
+def test_signals_and_kills_leave_nothing_behind_and_resume_bit_identically(tmp_path_factory, prepared_digits,
+                                                                           chunk_size):
     from flows.train import train_experiment
 
-    reference = project_at(tmp_path_factory.mktemp("reference"), prepared_digits, "inline")
+    reference = project_at(tmp_path_factory.mktemp("reference"), prepared_digits, "inline", chunk_size)
     train_experiment("tiny", str(reference / "params.yaml"), str(reference))
-    root = project_at(tmp_path_factory.mktemp("stage"), prepared_digits, "prefect")
+    root = project_at(tmp_path_factory.mktemp("stage"), prepared_digits, "prefect", chunk_size)
     seed = int(os.environ.get("PFL_KILL_SEED", random.SystemRandom().randrange(2**32)))
     print(f"kill moments drawn from seed {seed} (rerun them with PFL_KILL_SEED={seed})")
     draw = random.Random(seed)
