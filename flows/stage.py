@@ -89,7 +89,7 @@ def check_prefect_api() -> None:
 def prefect_api(ui: bool = False) -> Iterator[str]:
     """The Prefect API this stage's flows report to: PREFECT_API_URL when set, else a server of
     the stage's own (with its web UI if `ui`), stopped (SIGTERM to its PID) when the stage
-    ends, however it ends. A server of ours (this stage's, or `make run`'s) gets one retry per
+    ends, however it ends. A server of ours (this stage's, or `make run`'s) gets three retries a
     request, so that a dead one ends the stage in seconds (`prefect_unreachable`); on it flow
     runs send no heartbeats: those feed only the automations that detect crashed runs, and ours run none
     (PREFECT_SERVER_SERVICES_TRIGGERS_ENABLED=false), while waiting for the heartbeat thread
@@ -101,9 +101,10 @@ def prefect_api(ui: bool = False) -> Iterator[str]:
 
     quiet_prefect_logs()  # its handlers exist now
 
-    # a server of ours is on this machine: a request it fails twice (about 2 s) means it died;
-    # the client's default, 5 retries, waits about 70 s per request for a dead server
-    ours = {PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None, PREFECT_CLIENT_MAX_RETRIES: 1}
+    # a server of ours is on this machine: a request it fails 4 times (about 14 s) means it died;
+    # the client's default, 5 retries, waits about 70 s per request for a dead server. Its sqlite
+    # answers concurrent writers (runs side by side) 503 now and then: those retries cover that
+    ours = {PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None, PREFECT_CLIENT_MAX_RETRIES: 3}
     if PREFECT_API_URL.value():
         check_prefect_api()
         mine = PREFECT_API_URL.value() == os.environ.get(OUR_SERVER)
