@@ -14,6 +14,8 @@ same bits:
 - numpy's dispatched SIMD loops: capped at AVX2 as well.
 - threads: one torch (and MKL) thread per process, since a parallel reduction's order follows
   the thread count (`engine.device.torch_threads`).
+- square roots: `sqrt` below, since torch's CPU `Tensor.sqrt` is MKL's vector math, which no
+  setting pins.
 
 `native` lets each library take this CPU's fastest path: numbers then differ between machines,
 and a run records which it used (`engine.device.platform`).
@@ -21,6 +23,7 @@ and a run records which it used (`engine.device.platform`).
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from pathlib import Path
@@ -75,3 +78,26 @@ def pin(mode: str) -> None:
         raise ConfigError(f"engine.numerics is 'portable', which runs AVX2 code, but this CPU lacks "
                           f"{', '.join(missing)}: set engine.numerics: native (its numbers are this machine's)")
     os.environ.update(PORTABLE)
+
+
+def sqrt(t):
+    """`t`'s elementwise square root, correctly rounded: the same bits on every CPU. torch's CPU
+    `Tensor.sqrt` (and `** 0.5`, `_foreach_sqrt`) is MKL's vector math, off by an ulp in a fifth of
+    float32 elements, and in other elements on Intel than on AMD even under MKL_CBWR=COMPATIBLE
+    (docs/configuration.md, `numerics`). A float32 root goes through float64, whose error (an ulp of float64)
+    its rounding to float32 absorbs; a float64 one (no gradient) through numpy's, the CPU's own
+    instruction. Autograd goes through the float32 route; other devices take their own sqrt, and
+    a Python number `math.sqrt`."""
+    import torch
+
+    if not isinstance(t, torch.Tensor):
+        return math.sqrt(t)
+    if t.device.type != "cpu" or t.dtype not in (torch.float32, torch.float64):
+        return t.sqrt()
+    if t.dtype == torch.float32:
+        return t.double().sqrt().float()
+    if t.requires_grad:
+        raise ValueError("numerics.sqrt: a float64 root takes no gradient (it is numpy's)")
+    import numpy as np
+
+    return torch.from_numpy(np.sqrt(t.numpy()))

@@ -189,7 +189,7 @@ def test_hostile_outage_of_the_mlflow_store_lets_signals_stop_the_run_within_sec
 
 def test_hostile_outage_a_stage_whose_prefect_server_is_killed_ends_in_seconds_in_one_line(tmp_path, prepared_digits):
     """The stage's own Prefect server killed -9 mid-run: the run under way finishes (its steps
-    do not wait on the server), the flow's end report fails within seconds (one retry a request
+    do not wait on the server), the flow's end report fails within seconds (three retries a request
     on a server of ours, not the client's five), the stage exits 2 saying so in one line, with
     no traceback, and the rerun keeps the finished run and trains the others."""
     import shutil

@@ -3,10 +3,13 @@ libraries would take, native ones do not, and a process computes only with the n
 params ask for."""
 
 import json
+import math
 import os
+import re
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -103,3 +106,34 @@ def test_a_stage_pins_its_params_numerics_before_torch_loads(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "flows.train", "x", "--params", str(tmp_path / "params.yaml")],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "engine.numerics" in proc.stderr and len(proc.stderr.splitlines()) == 1
+
+
+def test_sqrt_is_correctly_rounded_where_torchs_cpu_sqrt_is_not():
+    """`numerics.sqrt` equals the CPU's own square-root instruction (numpy's) on every element,
+    float32 and float64, where MKL's (`Tensor.sqrt`) misses some: those it misses differ by vendor."""
+    generator = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.float64):
+        values = torch.rand(100_000, generator=generator, dtype=dtype) * 1e-3
+        exact = torch.from_numpy(np.sqrt(values.numpy()))
+        assert torch.equal(numerics.sqrt(values), exact)
+        assert not torch.equal(values.sqrt(), exact)  # the path `numerics.sqrt` stands in for
+    assert numerics.sqrt(2.0) == math.sqrt(2.0)
+
+
+def test_sqrt_takes_a_float32_gradient_and_refuses_a_float64_one():
+    values = torch.tensor([0.25, 4.0], requires_grad=True)
+    numerics.sqrt(values).sum().backward()
+    assert torch.equal(values.grad, torch.tensor([1.0, 0.25]))
+    with pytest.raises(ValueError, match="no gradient"):
+        numerics.sqrt(values.detach().double().requires_grad_())
+
+
+def test_every_square_root_of_the_library_is_numerics_sqrt():
+    """One place for roots: no module but `numerics` takes torch's CPU sqrt (`.sqrt(`, `** 0.5`,
+    `_foreach_sqrt`), and an Adam of torch's is its fused kernel, but the sequential reference's."""
+    lines = [(path.relative_to(ROOT).as_posix(), line.split("#")[0])
+             for path in sorted((ROOT / "pfl_tasks").rglob("*.py")) if path.name != "numerics.py"
+             for line in path.read_text().splitlines()]
+    roots = [(path, line) for path, line in lines if re.search(r"(?<!math)\.sqrt\(|\*\*\s*0\.5|_foreach_sqrt", line)]
+    adams = [path for path, line in lines if "optim.Adam(" in line and "fused=True" not in line]
+    assert roots == [] and adams == ["pfl_tasks/engine/optim.py"], (roots, adams)

@@ -43,6 +43,7 @@ from pfl_tasks.engine.executor import clientwise
 from pfl_tasks.engine.state import per_row
 from pfl_tasks.engine.streams import StreamKey, run_seed
 from pfl_tasks.nets import head_keys, stacked_backward, stacked_forward
+from pfl_tasks.numerics import sqrt
 
 NOISE = StreamKey("fedcr/noise", 7)  # per client and round: the reparameterization noise
 ENCODER = StreamKey("fedcr/encoder", 0xFEDC)  # per run: the encoder's initialization
@@ -136,7 +137,7 @@ class FedCR(SharedBody, Algorithm):
         def objective(params, batch_):
             mu, var = self.features(net, params, batch_.x, names)
             eps = batch_.extra["eps"] if hp.stochastic else torch.zeros_like(batch_.extra["eps"])
-            z = mu.unsqueeze(1) + var.sqrt().unsqueeze(1) * eps  # [B, samples, H]
+            z = mu.unsqueeze(1) + sqrt(var).unsqueeze(1) * eps  # [B, samples, H]
             logits = read_head(params, names, z)
             log_p = F.log_softmax(logits, -1)  # [B, samples, C]
             loss = -log_p.gather(-1, batch_.y[:, None, None].expand(-1, samples, 1)).squeeze(-1).mean(1)
@@ -151,7 +152,7 @@ class FedCR(SharedBody, Algorithm):
                 g, (mu, var) = batch_.grad(objective, has_aux=True)(carry["params"], batch_)
             if hp.clip_norm is not None:  # as torch.nn.utils.clip_grad_norm_, on the client's whole gradient
                 clients = batch_.weight.sum(-1)  # [K] on a stack, a scalar for one client
-                norm = torch.sqrt(sum(vector_norm(t.reshape(*clients.shape, -1), dim=-1) ** 2 for t in g.values()))
+                norm = sqrt(sum(vector_norm(t.reshape(*clients.shape, -1), dim=-1) ** 2 for t in g.values()))
                 clip = torch.clamp(hp.clip_norm / (norm + 1e-6), max=1.0)
                 g = {n: t.mul_(per_row(clip, t)) for n, t in g.items()}  # fresh gradients
             params, opt = optim.apply(cfg, carry["params"], g, carry["opt"])
@@ -194,7 +195,7 @@ class FedCR(SharedBody, Algorithm):
         mu, raw = s.chunk(2, dim=-1)
         soft = F.softplus(raw - SIGMA_SHIFT)
         var = soft**2 + 1e-8
-        sigma = var.sqrt()
+        sigma = sqrt(var)
         eps = batch.extra["eps"] if hp.stochastic else torch.zeros_like(batch.extra["eps"])
         z = (mu.unsqueeze(-2) + sigma.unsqueeze(-2) * eps).flatten(1, 2)  # [K, B * samples, H]
         head = next(iter(names)).split(".")[0]

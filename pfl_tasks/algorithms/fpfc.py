@@ -27,6 +27,7 @@ from pydantic import Field, model_validator
 from pfl_tasks.algorithms.base import Algorithm, HyperParams, proximal
 from pfl_tasks.algorithms.registry import register
 from pfl_tasks.engine.state import gather, per_row, replicate
+from pfl_tasks.numerics import sqrt
 
 
 class FPFCHyper(HyperParams):
@@ -111,7 +112,7 @@ class FPFC(Algorithm):
                     torch.index_select(w, 0, pairs[1][rows], out=new[k][:b]))
                 torch.index_select(dual[k], 0, rows, out=old[k][:b])
                 torch.div(old[k][:b], rho, out=delta[k][:b]).add_(diff[k][:b])
-            norm = torch.sqrt(sum(torch.mul(delta[k][:b], delta[k][:b], out=new[k][:b]).flatten(1).sum(1)
+            norm = sqrt(sum(torch.mul(delta[k][:b], delta[k][:b], out=new[k][:b]).flatten(1).sum(1)
                                   for k in omega))
             scale = fusion_prox(norm, self.hp)
             for k in omega:
@@ -141,7 +142,7 @@ class FPFC(Algorithm):
     def clusters(self, server, tol: float = 1e-3) -> torch.Tensor:
         """Cluster label of each client: connected components of ||theta_ij|| < tol."""
         pairs = server["pairs"]
-        norm = torch.sqrt(sum((t.flatten(1) ** 2).sum(1) for t in server["theta"].values()))
+        norm = sqrt(sum((t.flatten(1) ** 2).sum(1) for t in server["theta"].values()))
         labels = torch.arange(client_count(server))
         for i, j in pairs.cpu()[:, norm.cpu() < tol].T.tolist():  # union by relabeling
             labels[labels == labels[j]] = labels[i].item()

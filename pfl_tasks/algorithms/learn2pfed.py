@@ -35,6 +35,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from pfl_tasks.numerics import sqrt
+
 FLOOR = 1e-6  # keeps rho + X^T X invertible when a client has fewer rows than features
 CLIENT_KEYS = ("lam", "rho", "eta", "theta")  # owned by each client
 SERVER_KEYS = ("p", "gamma")  # owned by the server
@@ -114,7 +116,7 @@ class Cells(torch.nn.Module):
         if form == "diagonal":
             raw["lam"] = torch.log(init["lam"] * uniform)  # Lambda = lam U + FLOOR
         else:  # the factor L: L L^T + FLOOR I = the same diagonal
-            raw["lam"] = torch.diag_embed((init["lam"] * uniform).sqrt())
+            raw["lam"] = torch.diag_embed(sqrt(init["lam"] * uniform))
         self.raw = torch.nn.ParameterDict({key: torch.nn.Parameter(value) for key, value in raw.items()})
 
     def values(self, cell: int) -> dict[str, torch.Tensor]:

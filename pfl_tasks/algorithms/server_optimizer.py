@@ -22,6 +22,7 @@ from pydantic import Field, model_validator
 
 from pfl_tasks.algorithms.base import HyperParams
 from pfl_tasks.engine.state import Params, Tree
+from pfl_tasks.numerics import sqrt
 
 Fraction = Annotated[float, Field(ge=0, lt=1, strict=True)]
 
@@ -81,5 +82,5 @@ def server_step(hp: ServerOptimizerHyper, server: Tree, key: str, average: Param
             v[k] = b2 * v_old + (1 - b2) * d2
         else:  # yogi
             v[k] = v_old - (1 - b2) * d2 * torch.sign(v_old - d2)
-    new = {k: x[k] + hp.server_lr * m[k] / (v[k].sqrt() + hp.server_tau) for k in x}
+    new = {k: x[k] + hp.server_lr * m[k] / (sqrt(v[k]) + hp.server_tau) for k in x}
     return {**server, key: new, "server_optimizer": {"m": m, "v": v}}

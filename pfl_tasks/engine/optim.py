@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from pfl_tasks.config import OptimizerConfig
+from pfl_tasks.numerics import sqrt
 from pfl_tasks.engine.state import Params, per_row
 
 
@@ -53,7 +54,7 @@ def step_(cfg: OptimizerConfig, params: Params, grads: Params, state: dict[str, 
             m.mul_(b1).add_(g, alpha=1 - b1)
             v.mul_(b2).add_(g * g, alpha=1 - b2)
             t = per_client(step_index + 1, p)
-            denom = (v.sqrt() / (1 - b2**t) ** 0.5) + cfg.eps
+            denom = (sqrt(v) / sqrt(1 - b2**t)) + cfg.eps
             p.sub_((rate / (1 - b1**t)) * m / denom)
         else:
             if cfg.momentum:
@@ -80,7 +81,8 @@ def apply(cfg: OptimizerConfig, params: Params, grads: Params, carry: dict,
 
 
 def torch_optimizer(cfg: OptimizerConfig, params: list[torch.Tensor]) -> torch.optim.Optimizer:
-    """The `torch.optim` twin of this config, used by the sequential reference executor."""
+    """The `torch.optim` twin of this config, used by the sequential reference executor (its Adam
+    roots are MKL's: held to the vectorized form within tolerance, not bits)."""
     if cfg.name == "adam":
         return torch.optim.Adam(
             params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay
