@@ -307,9 +307,9 @@ class EngineConfig(Strict):
     chunk_size: PositiveInt = 128
     device: Literal["auto", "cpu", "cuda"] = "auto"
     orchestrator: Literal["prefect", "inline"] = "prefect"
-    max_workers: PositiveInt = 2  # the thread task runner's (and inline orchestrator's) threads
+    max_workers: PositiveInt = 2  # threads for a run's chunks, or for runs side by side (flows.train)
     # torch's intra-op threads per process; auto: the cores this process may use less one (the
-    # Prefect server's, the OS's), shared by max_workers chunks, at least 1: never more compute
+    # Prefect server's, the OS's), shared by max_workers threads, at least 1: never more compute
     # threads than cores (2 threads on a loaded 2-core machine ran small steps 10x slower than 1)
     threads: PositiveInt | Literal["auto"] = "auto"
     task_runner: Literal["thread", "ray"] = "thread"  # ray: chunks run on Ray workers (pip install prefect-ray)
