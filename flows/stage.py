@@ -86,6 +86,22 @@ def check_prefect_api() -> None:
 
 
 @contextlib.contextmanager
+def settings_of_ours(settings: dict) -> Iterator[None]:
+    """A server of ours's client `settings`, and no report of a log batch it did not take:
+    Prefect's log shipper writes each to stderr while `logging.raiseExceptions` holds (the
+    stdlib's default; off is its production setting), where a dead server's is noise before the
+    stage's one line that says so."""
+    from prefect.settings import temporary_settings
+
+    previous, logging.raiseExceptions = logging.raiseExceptions, False
+    try:
+        with temporary_settings(settings):
+            yield
+    finally:
+        logging.raiseExceptions = previous
+
+
+@contextlib.contextmanager
 def prefect_api(ui: bool = False) -> Iterator[str]:
     """The Prefect API this stage's flows report to: PREFECT_API_URL when set, else a server of
     the stage's own (with its web UI if `ui`), stopped (SIGTERM to its PID) when the stage
@@ -109,7 +125,7 @@ def prefect_api(ui: bool = False) -> Iterator[str]:
         check_prefect_api()
         mine = PREFECT_API_URL.value() == os.environ.get(OUR_SERVER)
         _APIS.add(PREFECT_API_URL.value())
-        with temporary_settings(ours) if mine else contextlib.nullcontext():
+        with settings_of_ours(ours) if mine else contextlib.nullcontext():
             yield PREFECT_API_URL.value()
         return
     port = _free_port()
@@ -132,7 +148,7 @@ def prefect_api(ui: bool = False) -> Iterator[str]:
                         log.seek(0)
                         raise RuntimeError(f"the stage's Prefect server did not start:\n{log.read()[-2000:]}") from None
                     time.sleep(0.2)
-            with temporary_settings({PREFECT_API_URL: url, **ours}):
+            with temporary_settings({PREFECT_API_URL: url}), settings_of_ours(ours):
                 os.environ["PREFECT_API_URL"] = os.environ[OUR_SERVER] = url  # and for child processes (dvc's stages)
                 try:
                     yield url
@@ -262,10 +278,11 @@ def stage_main(name: str, work: Callable[[], object]) -> int:
     """Run `work` on one snapshot of the config files it reads and map its end to an exit code:
     0 done; 2 a clear error of config (a config file edited while it ran among them), data,
     checkpoint, lock, output folder or tracking, or a full disk (one line); 128 + N stopped by
-    signal N (SIGTERM and SIGHUP stop it cleanly, as SIGINT does); 1 anything else (traceback,
+    signal N (SIGTERM, SIGHUP and SIGINT each stop it cleanly); 1 anything else (traceback,
     then one line). Prefect's background services are silenced before that last line, so that
     nothing they report of a dying server follows it."""
-    previous = {sig: signal.signal(sig, _stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    # SIGINT too: a shell starts a background job with it ignored, which Python then keeps
+    previous = {sig: signal.signal(sig, _stop) for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)}
     set_background_noise(disabled=False)
     code, line = 0, None
     try:

@@ -201,7 +201,8 @@ def test_hostile_outage_a_stage_whose_prefect_server_is_killed_ends_in_seconds_i
 
     shutil.copytree(prepared_digits, tmp_path / "data" / "partitions" / "digits")
     data = tiny_params(algorithms=["fedavg", "local"])
-    data["engine"] = {"orchestrator": "prefect", "device": "cpu"}
+    # chunks of 4 of the 6 clients: one run at a time, so the second waits for the rerun
+    data["engine"] = {"orchestrator": "prefect", "device": "cpu", "chunk_size": 4}
     data["federation"] = {"rounds": 20, "eval_every": 1, "checkpoint_every": 5}
     data["tracking"] = {"mlflow_uri": f"sqlite:///{tmp_path}/mlflow.db"}
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(data))
