@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ast
 import hashlib
+import threading
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -22,6 +23,9 @@ PACKAGES = ("pfl_tasks", "flows")
 REGISTRATION = ROOT / "pfl_tasks" / "algorithms" / "__init__.py"
 ROUND_RUNTIME = (ROOT / "pfl_tasks" / "engine" / "federation.py", ROOT / "pfl_tasks" / "engine" / "rounds.py")
 SELECTION = ROOT / "pfl_tasks" / "selection.py"  # which evaluation a run reports
+# CPython 3.11's parser keeps its recursion depth per process: two threads parsing at once (runs
+# side by side computing their identities) fail with "AST constructor recursion depth mismatch"
+PARSING = threading.Lock()
 
 
 def _module_file(name: str) -> Path | None:
@@ -45,8 +49,10 @@ def _imported(path: Path) -> set[Path]:
     """The project files one file's module-level import statements name (a package's
     `__init__` with each of its modules). An import inside a function (the CLI's sweep path)
     is not a run's."""
+    with PARSING:
+        tree = ast.parse(path.read_text(), str(path))
     names = []
-    for node in _module_level(ast.parse(path.read_text(), str(path)).body):
+    for node in _module_level(tree.body):
         if isinstance(node, ast.Import):
             names += [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:

@@ -47,13 +47,15 @@ def project_at(root: Path, prepared_digits, orchestrator: str, chunk_size: int) 
 
 
 class Stage:
-    """`python -m flows.train tiny` in `root`, its output read line by line."""
+    """`python -m flows.train tiny` in `root`, its output read line by line; started with SIGINT
+    ignored, as a shell starts a background job (the stage must stop on it all the same)."""
 
     def __init__(self, root: Path):
         env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI")}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "flows.train", "tiny"], cwd=root, stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT, text=True, env={**env, "PYTHONPATH": str(REPO), "CI": "true"},
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
         )
         self.lines, self.log = queue.Queue(), []
         self.reader = threading.Thread(target=self._read, daemon=True)
