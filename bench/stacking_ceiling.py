@@ -9,7 +9,7 @@ the most that stacking C configurations can gain over training them one after an
 again with two such rounds at once on threads of their own, as a stage trains runs side by side:
 there, fewer steps to dispatch could also hold Python's lock less.
 
-    python -m bench.stacking_ceiling            # about 6 minutes
+    python -m bench.stacking_ceiling            # about 5 minutes
 
 Writes bench/results/<date>-stacking-ceiling.{json,md}.
 """
