@@ -9,7 +9,7 @@ the most that stacking C configurations can gain over training them one after an
 again with two such rounds at once on threads of their own, as a stage trains runs side by side:
 there, fewer steps to dispatch could also hold Python's lock less.
 
-    python -m bench.stacking_ceiling            # about 5 minutes
+    python -m bench.stacking_ceiling            # about 8 minutes
 
 Writes bench/results/<date>-stacking-ceiling.{json,md}.
 """
@@ -21,13 +21,13 @@ import dataclasses
 import datetime
 import json
 import os
-import threading
 from pathlib import Path
 
 import torch
 
 from bench.common import interleaved, one_round
 from bench.run import matmul_gflops, p8_data, p8_federation
+from flows.train import side_by_side
 from pfl_tasks.data.store import ClientSplit
 from pfl_tasks.engine.federation import Federation
 
@@ -49,23 +49,16 @@ def round_of(algorithm: str, copies: int):
     return one_round(Federation(fed.exp, fed.algorithm, data))
 
 
-def side_by_side(first, second):
-    """A callable playing `first` and `second` at once, each on a thread of its own with one torch
-    thread, as a stage trains runs side by side (`flows.train.side_by_side`)."""
-
-    def play() -> None:
-        threads = [threading.Thread(target=lambda f=f: (torch.set_num_threads(1), f())) for f in (first, second)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-
-    return play
+def at_once(first, second):
+    """A callable playing `first` and `second` at once, as a stage trains two runs side by side
+    (`flows.train.side_by_side`: each on a thread of its own with one torch thread)."""
+    plays = (first, second)
+    return lambda: side_by_side([0, 1], lambda i: plays[i](), at_once=2, threads=1)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--copies", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--algorithms", nargs="+", default=["fedavg", "ditto", "pfedme", "fedcr", "pfedmac", "apfl",
                                                             "lp_proj"])
@@ -78,7 +71,7 @@ def main() -> None:
         setups = {}
         for c in [1, *args.copies]:
             setups[c] = round_of(name, c)
-            setups[f"2x{c}"] = side_by_side(round_of(name, c), round_of(name, c))
+            setups[f"2x{c}"] = at_once(round_of(name, c), round_of(name, c))
         t = interleaved(setups, args.reps)
         for c in args.copies:
             rows.append({"algorithm": name, "copies": c, "one_s": t[1], "stacked_s": t[c], "most_saved": c * t[1] / t[c],
