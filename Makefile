@@ -39,6 +39,6 @@ check-algo: venv  # one algorithm's registry-parametrized checks: make check-alg
 	$(BIN)/python -m pytest -q tests/test_engine.py tests/test_device.py --algorithm $(NAME)
 
 bench: venv  # P1-P4 ratios and a profile, then the whole make run timed on a fresh clone with the
-             # edit check (about an hour): bench/results/<date>-<host>{,-repro}.{json,md}
+             # edit check (about 8 minutes, then make run's time plus 2): bench/results/<date>-<host>{,-repro}.{json,md}
 	$(BIN)/python -m bench.run $(BENCH_ARGS)
 	$(BIN)/python -m bench.repro

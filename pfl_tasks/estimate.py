@@ -173,14 +173,16 @@ class Probe:
 
 
 def probe_runs(uri: str) -> dict[tuple[str, str], ProbeRun]:
-    """Every finished run in the probe's MLflow store."""
+    """Every finished training run in the probe's MLflow store (not the tables stage's, which
+    evaluates nothing)."""
     from mlflow.tracking import MlflowClient
 
     client, out = MlflowClient(tracking_uri=uri), {}
     for e in client.search_experiments():
         for r in client.search_runs([e.experiment_id]):
-            if r.info.end_time:
-                key = min(k for k in r.data.metrics if k.startswith("val/"))
+            evaluated = sorted(k for k in r.data.metrics if k.startswith("val/"))
+            if r.info.end_time and evaluated:
+                key = evaluated[0]
                 logged = sorted({m.timestamp for m in client.get_metric_history(r.info.run_id, key)})
                 out[e.name, r.info.run_name] = ProbeRun((r.info.end_time - r.info.start_time) / 1000,
                                                         r.info.start_time / 1000,

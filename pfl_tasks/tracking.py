@@ -34,9 +34,9 @@ def run_tags(exp, task: str, partition: str, run_name: str, algorithm_class: str
              config_hash: str, setting_hash: str, flow_run_id: str) -> dict[str, str]:
     """The MLflow tags a comparison filters and groups by: `algorithm` the registered algorithm
     (`ditto`), `variant` the run name it was configured under (`ditto`, a grid's `ditto_mu1`),
-    `setting_hash` its configuration but the seed (`config.setting_hash`): the seeds of one
-    setting share it, and runs of another setting under the same variant name (after `dvc exp
-    run -S algorithms.ditto.mu=1`) do not."""
+    `setting_hash` the hash of what it trained with but the seed (its algorithm, every
+    hyper-parameter, the experiment's settings and budget): one method at one setting, whose
+    seeds share it, apart from every other method and setting."""
     return {
         "experiment": exp.name, "dataset": exp.dataset, "partition": partition, "model": exp.model.kind, "task": task,
         "algorithm": algorithm_class, "variant": run_name, "citation": citation, "seed": str(exp.seed),

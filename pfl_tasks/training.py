@@ -50,7 +50,10 @@ def run_identity(exp: ResolvedExperiment, run_name: str, raw_hp: dict, data_hash
         "data": data_hash,
         "code": code_hash(numeric_code(source_file(run_name, raw_hp))),
     }
-    setting = setting_hash(config)  # its rounds included: another budget is another setting
+    # the setting is what the run trains with, its rounds included (another budget is another
+    # setting): the registered algorithm and every hyper-parameter, defaults spelled out
+    algorithm = build(run_name, raw_hp)
+    setting = setting_hash({**config, "algorithm": {"name": algorithm.name, **algorithm.hp.model_dump(mode="json")}})
     config["experiment"]["federation"].pop("rounds")
     return {
         "experiment": exp.name,

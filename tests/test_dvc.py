@@ -208,6 +208,26 @@ def test_dvc_exp_run_S_with_a_new_key_reruns_its_runs(repo_copy):
     assert {alg for alg, run in before.items() if pinned(root, alg) != run} == {"ditto"}
 
 
+def test_dvc_exp_run_S_of_a_tuned_key_is_refused_in_one_line(repo_copy):
+    """Where `other` tunes FedAvg's server_lr, a `-S` of it would show in `dvc exp show` beside
+    numbers trained at the tuning's choice. The experiment fails in one line naming the grid to pin."""
+    root, env = repo_copy
+    committed = (root / "params.yaml").read_text()
+    data = yaml.safe_load(committed)
+    data["tuning"]["other"]["hyper"] = {"fedavg": {"server_lr": [1.0]}}
+    (root / "params.yaml").write_text(yaml.safe_dump(data))
+    try:
+        out = subprocess.run([sys.executable, "-m", "dvc", "exp", "run", "--temp", "-n", "slr", "-S",
+                              "algorithms.fedavg.server_lr=0.5"], cwd=root, env=env, capture_output=True, text=True,
+                             timeout=600)
+    finally:
+        (root / "params.yaml").write_text(committed)
+    assert out.returncode != 0
+    said = out.stdout + out.stderr
+    assert ("failed: algorithms.fedavg.server_lr is 0.5, but tuning.other.hyper.fedavg.server_lr tunes it over "
+            "[1.0]") in said and "Traceback" not in said, said[-3000:]
+
+
 def test_dvc_exp_apply_then_compare_reports_that_experiments_numbers(repo_copy):
     """A 5-round experiment continues the 4-round one's checkpoints as new MLflow runs: after
     `dvc exp apply` of either, `compare` reports its own numbers."""

@@ -17,6 +17,7 @@ from pfl_tasks.estimate import (Probe, ProbeRun, Timing, measured_cost, planned_
 def tuned_raw() -> dict:
     raw = tiny_params(algorithms=["local", "fedprox"], seeds=[3, 4, 5])
     raw["federation"] = {"rounds": 20, "eval_every": 5, "checkpoint_every": 10}
+    raw["algorithms"]["fedprox"] = {}  # a tuned key stays at its default
     raw["tuning"] = {"tiny": {"lr": [0.05, 0.5], "rounds_fraction": 0.5, "hyper": {"fedprox": {"mu": [0.01, 0.1, 1.0]}}}}
     raw["learn2pfed"] = {"tiny": {"supervision": ["train"], "features_from": "fedprox", "meta": {"epochs": 40}}}
     return raw
@@ -98,6 +99,7 @@ def test_the_pipeline_estimate_runs_its_probe_elsewhere_and_prints_a_total(tmp_p
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     raw = tiny_params(algorithms=["local", "fedavg"], seeds=[0, 1])
     raw["tracking"] = {"mlflow_uri": "sqlite:///mlflow.db"}
+    raw["tables"] = {"tiny": {"experiments": ["tiny"]}}  # as the README's own file: its stage's run evaluates nothing
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(raw))
     probes, probe_of = [], flows.pipeline.probe
     monkeypatch.setattr(flows.pipeline, "probe", lambda *args: probes.append(probe_of(*args)) or probes[-1])

@@ -27,6 +27,7 @@ from pfl_tasks.tuning import LOCAL_LR, checked_tuning, choose, tuned, tuning_pat
 # ----------------------------------------------------------------------------- the tuning file
 def tuned_params(**options) -> dict:
     raw = tiny_params(algorithms=["fedavg", "fedprox"], **options)
+    raw["algorithms"]["fedprox"] = {}  # a tuned key stays at its default
     raw["tuning"] = {"tiny": {"lr": [0.05, 0.2], "rounds_fraction": 0.5, "hyper": {"fedprox": {"mu": [0.01, 1.0]}}}}
     return raw
 

@@ -129,18 +129,43 @@ def test_worked_example_of_an_algorithm_registers_and_does_its_job(digits6):
 
 
 # ----------------------------------------------------------------------------- the params template
+def own_params() -> dict:
+    block = re.search(r"<!-- own-params -->\n```yaml\n(.*?)```", README.read_text(), re.S)
+    assert block, "README lost its params template for your own data"
+    return yaml.safe_load(block.group(1))
+
+
 def test_own_data_template_is_a_valid_params_file():
     """The README's complete params file for your own data loads, with every method's
     hyper-parameters, as `flows.pipeline --params own-params.yaml` would load it."""
     from pfl_tasks.algorithms import validate_params
     from pfl_tasks.config import parse_params
 
-    block = re.search(r"<!-- own-params -->\n```yaml\n(.*?)```", README.read_text(), re.S)
-    assert block, "README lost its params template for your own data"
-    params = validate_params(parse_params(yaml.safe_load(block.group(1))))
+    params = validate_params(parse_params(own_params()))
     assert any(d.source.name == "file" for d in params.datasets.values())
     for name in params.tuning:
         assert name in params.experiments
+
+
+def test_own_data_moved_into_params_yaml_keeps_its_experiment():
+    """"Into DVC", step 2, as written: the own file's `datasets`, `experiments`, `tuning` and
+    `tables` entries moved into params.yaml, with the defaults `flows.dvc_yaml` asks for listed
+    under `algorithms`, train the experiment the own file trained: its budget, its lr, its model."""
+    from pfl_tasks.algorithms import hyper_parameters, validate_params
+    from pfl_tasks.config import parse_params
+
+    own, merged = own_params(), yaml.safe_load((REPO / "params.yaml").read_text())
+    for section in ("datasets", "experiments", "tuning", "tables"):
+        merged[section] = {**merged.get(section, {}), **own.get(section, {})}
+    for name in own["experiments"]:
+        for run in own["experiments"][name]["algorithms"]:
+            merged["algorithms"].setdefault(run, hyper_parameters(run, {}))
+    before, after = parse_params(own), validate_params(parse_params(merged))
+    for name in own["experiments"]:
+        was, now = before.experiment(name), after.experiment(name)
+        assert now.model_dump(exclude={"engine", "hyper"}) == was.model_dump(exclude={"engine", "hyper"})
+        assert ({run: hyper_parameters(run, hp) for run, hp in now.hyper.items()}
+                == {run: hyper_parameters(run, hp) for run, hp in was.hyper.items()})
 
 
 # ----------------------------------------------------------------------------- task-first README

@@ -24,6 +24,8 @@ from pfl_tasks.reports import (best_line, collect, markdown as report_markdown, 
 from pfl_tasks.stats import mean_ci
 from pfl_tasks.tracking import MlflowRun
 
+REPO = Path(__file__).resolve().parents[1]
+
 
 def log_run(tmp, experiment, algorithm, seed, clients, global_clients=None, status="FINISHED",
             diverged_at=None, metric="acc", val=None, partition=None):
@@ -702,3 +704,21 @@ def test_the_setting_hash_tag_tells_settings_apart_and_groups_a_settings_seeds()
     assert setting(0.1, 0) == setting(0.1, 1)  # a setting's seeds (and their partitions) share it
     assert setting(0.1, 0) != setting(1.0, 0)  # another mu is another setting
     assert setting(0.1, 0) != setting(0.1, 0, rounds=20)  # and so is another budget
+
+
+def test_no_two_methods_of_the_benchmark_share_a_setting_hash():
+    """The README's MLflow grouping (`tags.setting_hash`) is one method at one setting: at
+    params.yaml's tuned values, methods at the same lr with default hyper-parameters (Local,
+    FedAvg, Ditto, ...) fall into groups of their own."""
+    from pfl_tasks.config import load_params
+    from pfl_tasks.training import run_identity
+    from pfl_tasks.tuning import tuned
+
+    params = load_params(REPO / "params.yaml")
+    for name in params.experiments:
+        exp = tuned(params, name, REPO)
+        groups = {}
+        for run in exp.algorithms:
+            tag = run_identity(exp.for_run(run, exp.seeds[0]), run, exp.hyper[run], "data")["setting_hash"]
+            groups.setdefault(tag, []).append(run)
+        assert all(len(runs) == 1 for runs in groups.values()), (name, groups)

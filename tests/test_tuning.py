@@ -19,9 +19,29 @@ def tuning_raw() -> dict:
                       run_overrides={"l2sgd": {"federation": {"rounds": 40}}})
     raw["federation"] = {"rounds": 10, "eval_every": 2, "checkpoint_every": 5}
     raw["algorithms"]["l2sgd"] = {"p": 0.5}
+    raw["algorithms"]["fedprox"] = {}  # a tuned key stays at its default
     raw["tuning"] = {"tiny": {"lr": [0.05, 0.5], "rounds_fraction": 0.5,
                               "hyper": {"fedprox": {"mu": [0.01, 1.0]}, "l2sgd": {"lr": [0.5, 2.0]}}}}
     return raw
+
+
+def test_a_tuned_key_set_off_its_default_is_refused_naming_its_grid():
+    """The tuning's choice replaces `algorithms.fedprox.mu`: a value there (a `dvc exp run -S`)
+    would change what DVC shows and nothing that trains, so it is refused, naming the way to run
+    it; pinned as the grid's one value, it runs."""
+    raw = tuning_raw()
+    raw["algorithms"]["fedprox"] = {"mu": 0.5}
+    with pytest.raises(ConfigError, match=r"^algorithms\.fedprox\.mu is 0\.5, but tuning\.tiny\.hyper\.fedprox\.mu tunes "
+                                          r"it over \[0\.01, 1\.0\].* set tuning\.tiny\.hyper\.fedprox\.mu: \[0\.5\]"):
+        validate_params(parse_params(raw))
+    raw["algorithms"]["fedprox"] = {"mu": 0.01}  # its default, spelled out
+    validate_params(parse_params(raw))
+    raw["experiments"]["tiny"]["algorithm_overrides"] = {"fedprox": {"mu": 1.0}}
+    with pytest.raises(ConfigError, match=r"^experiments\.tiny\.algorithm_overrides\.fedprox\.mu is 1\.0"):
+        validate_params(parse_params(raw))
+    raw["experiments"]["tiny"]["algorithm_overrides"] = {}
+    raw["tuning"]["tiny"]["hyper"]["fedprox"]["mu"] = [0.5]
+    assert points(validate_params(parse_params(raw)), "tiny")["fedprox_lr0.05_mu0.5"] == ("fedprox", {LOCAL_LR: 0.05, "mu": 0.5})
 
 
 def test_the_grid_is_every_lr_times_every_key_value_at_a_fraction_of_each_methods_rounds():

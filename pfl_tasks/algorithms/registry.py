@@ -55,7 +55,8 @@ def source_file(run_name: str, raw: dict[str, Any]) -> Path:
 
 
 def validate_params(params: Params) -> Params:
-    """Every algorithm entry, and every experiment's runs with its overrides."""
+    """Every algorithm entry, and every experiment's runs with its overrides; a hyper-parameter
+    that an experiment tunes is refused at any value but its default (`untuned_values`)."""
     for run_name, raw in params.algorithms.items():
         build(run_name, raw)
     for name, exp in params.experiments.items():
@@ -64,4 +65,29 @@ def validate_params(params: Params) -> Params:
             where = (f"experiments.{name}.algorithm_overrides.{run_name}" if run_name in exp.algorithm_overrides
                      else f"experiments.{name}.algorithms[{resolved.algorithms.index(run_name)}]")
             build(run_name, resolved.hyper[run_name], where)
+        untuned_values(params, name)
     return params
+
+
+def untuned_values(params: Params, experiment: str) -> None:
+    """A ConfigError where `algorithms.<run>.<key>` (or the experiment's override of it) sets a
+    key that `tuning.<experiment>.hyper.<run>` tunes to other than its default: the tuning's
+    choice replaces it, so no run would train with it (a `dvc exp run -S` of it would pass as a
+    change that changes nothing)."""
+    if experiment not in params.tuning:
+        return
+    exp = params.experiments[experiment]
+    hyper = params.experiment(experiment).hyper
+    for run_name, grid in params.tuning[experiment].hyper.items():
+        if run_name not in hyper:
+            continue
+        set_values = hyper_parameters(run_name, hyper[run_name], defaults=False)
+        for key in sorted(set(grid) & set(set_values)):
+            where = (f"experiments.{experiment}.algorithm_overrides.{run_name}.{key}"
+                     if key in (exp.algorithm_overrides.get(run_name) or {}) else f"algorithms.{run_name}.{key}")
+            raise ConfigError(
+                f"{where} is {set_values[key]!r}, but tuning.{experiment}.hyper.{run_name}.{key} tunes it over "
+                f"{grid[key]}, so {experiment}'s runs would not use it: to run {run_name} at {key} "
+                f"{set_values[key]!r} there, set tuning.{experiment}.hyper.{run_name}.{key}: [{set_values[key]!r}]; "
+                f"else leave {where} at its default "
+                f"{hyper_parameters(run_name, {k: v for k, v in hyper[run_name].items() if k != key})[key]!r}")
