@@ -531,15 +531,17 @@ def best_line(results: list[MethodResult], weighted: bool = False) -> str:
 
 
 def protocol_lines(rule: VerdictConfig) -> list[str]:
+    """How a report's numbers and marks are made, a short sentence each."""
     return [
-        "Test accuracy (higher is better) or MSE (lower is better) of each client's personalized model at the "
-        f"round selected on the clients' validation splits: {SELECTION_RULE}; mean over clients and seeds with a 95% CI (two-level bootstrap: seeds, then clients). "
-        f"≈: not significantly different from the best ({TEST_NAME}, α = {rule.alpha}); in the tables for a paper "
-        "the best (rank 1 by the client mean) is in bold. "
+        "Cell: each client's test accuracy (higher is better) or MSE (lower is better) of its personalized model, "
+        "mean over clients and seeds; 95% CI: two-level bootstrap (seeds, then clients). "
+        f"Round: {SELECTION_RULE}. "
+        f"≈: not significantly different from the best, rank 1 ({TEST_NAME}, α = {rule.alpha}). "
+        "In the tables for a paper the best is in bold. "
         "†: the \"personalized\" model is the global model. "
-        "✓: the best on validation (the same mean on the validation splits): what a sweep selects. "
-        f"Diverged runs, and runs that aggregated fewer than {rule.min_aggregated:.0%} of their rounds (in the "
-        "others no sampled client reported), are listed, not ranked.",
+        "✓: the best on validation, what a sweep selects. "
+        f"Diverged runs, and runs that aggregated fewer than {rule.min_aggregated:.0%} of their rounds, are listed, "
+        "not ranked.",
         f"Verdict rules (`verdicts` in the params file): α = {rule.alpha}, min_aggregated = {rule.min_aggregated}, "
         f"plateau: window {rule.plateau.window} of the rounds, gain below {rule.plateau.acc} accuracy "
         f"or {rule.plateau.mse:.0%} of the MSE.",
@@ -547,9 +549,59 @@ def protocol_lines(rule: VerdictConfig) -> list[str]:
     ]
 
 
+METRIC_WORDS = {"acc": "test accuracy", "mse": "test MSE"}
+BASELINES = ("fedavg", "local")  # the budgets are chosen so that these plateau (docs/protocol.md)
+
+
+def verdict_lines(results: list[MethodResult]) -> list[str]:
+    """A report's opening, in words: what its ranking concludes (the best, or the top group
+    and that no method beats it), where a rank and the top group disagree, and what would make
+    the ranking premature (a baseline's budget that did not plateau, runs that did not)."""
+    ranked = ordered(results)
+    if not ranked:
+        return ["**Verdict:** no method is ranked; the runs below diverged or aggregated too few rounds."]
+    best, group = ranked[0], top_group(results)
+    statistic = f"the client mean of the personalized {METRIC_WORDS[best.metric]}"
+    if len(group) == 1:
+        lines = [f"**Verdict:** {best.method} is best by {statistic}, significantly better than every other "
+                 "ranked method."]
+    else:
+        lines = [f"**Verdict:** no method is significantly better than the others by {statistic}. "
+                 f"The top group, not significantly different from {best.method} (rank 1): "
+                 f"{', '.join(r.method for r in group[1:])}."]
+    rank = {r.method: i for i, r in enumerate(ranked, 1)}
+    worse = [r for r in ranked[1:] if r.p_vs_best is not None and not r.indistinguishable()]
+    untested = [r.method for r in ranked[1:] if r.p_vs_best is None]
+    if worse:
+        lines[0] += (f" The other {len(worse)} ranked methods are" if len(worse) > 1 else " The other ranked method is"
+                     ) + f" significantly worse than {best.method}."
+    if untested:
+        lines[0] += f" Not tested against it (no partition in common): {', '.join(untested)}."
+    for r in worse:
+        inside = [g for g in group if rank[g.method] > rank[r.method]]
+        if inside:
+            lines.append(f"{r.method} (rank {rank[r.method]}) is outside the top group, while "
+                         f"{', '.join(f'{g.method} ({rank[g.method]})' for g in inside)} "
+                         f"{'are' if len(inside) > 1 else 'is'} inside. Ranks order the "
+                         f"means; the group is a paired test of each client's difference from {best.method}, "
+                         f"which {r.method}'s consistent deficit fails (p = {r.p_vs_best:.2g}).")
+    by_method = {r.method: r for r in ranked}
+    for name in BASELINES:
+        seeds = by_method[name].plateaued if name in by_method else []
+        if seeds and not all(seeds):
+            lines.append(f"⚠ The protocol chooses budgets on which {name} plateaus, but it plateaued on "
+                         f"{sum(seeds)} of {len(seeds)} seeds: its budget is short, and more rounds may change "
+                         "the ranking.")
+    verdicts = [reached for r in ranked for reached in r.plateaued]
+    if not all(verdicts):
+        lines.append(f"⚠ {sum(verdicts)} of {len(verdicts)} ranked runs plateaued on validation: the ranking "
+                     "may be premature.")
+    return lines
+
+
 RUNS_COUNTED = (  # `configured_runs`, then `collect`
     "Runs: per configured method and seed, the MLflow run that its metrics file in this workspace names "
-    "(metrics/<experiment>/<method>/seed-<seed>.json, as `dvc repro` or `dvc exp apply` left it); where there is "
+    "(metrics/<experiment>/<method>/seed-<seed>.json, as `dvc repro` or `dvc exp apply` left it). Where there is "
     "no such file, or the store does not hold that run finished, the newest run of that method and seed that "
     "finished or diverged.")
 
@@ -572,17 +624,19 @@ def markdown(experiment: str, metric: str, results: list[MethodResult], figures:
     lines = [
         f"# {experiment}: comparison",
         "",
+        *verdict_lines(results),
+        "",
         *protocol_lines(rule),
-        "⚑: its verdict differs between the client mean and the sample-weighted statistic by their tests: one "
-        "calls it significantly better or worse than FedAvg's global model (each statistic's paired test, against "
-        "FedAvg, Holm-adjusted over the methods) and the other does not or says the opposite, or it is in the top group by "
-        "one and out of it by the other (the second table, and the sentences under it). A difference of point "
-        "estimates alone flags nothing.",
+        "⚑: the verdict differs between the client mean and the sample-weighted statistic, each by its own paired "
+        "test, Holm-adjusted. "
+        "Either one statistic finds it significantly better or worse than FedAvg's global model and the other does "
+        "not, or it is in one statistic's top group only. "
+        "A difference of point estimates alone flags nothing.",
         f"Plateaued: seeds whose mean validation metric over the last {window} of the rounds gained less than "
         f"{tolerance} on the {window} before. Rounds aggregated: per seed, the rounds in which a sampled client "
-        "reported, of the rounds run. Compute: samples × forward-backward passes over all clients, the whole run (+ one "
-        "evaluation's personalization; + tuning: every grid point the method was tuned over, below). Communication: "
-        "bytes up and down, the whole run.",
+        "reported, of the rounds run. Compute: samples × forward-backward passes over all clients, the whole run. "
+        "Beside it, one evaluation's personalization, and the tuning's: every grid point the method was tuned over. "
+        "Communication: bytes up and down, the whole run.",
         "",
         "| rank | method | seeds | validation | personalized, test (95% CI) | global, test (95% CI) "
         "| worst 10% of clients | selected rounds | rounds aggregated | plateaued | compute | + per evaluation "
@@ -729,11 +783,12 @@ def column_cells(results: list[MethodResult], metric: str) -> dict[str, dict]:
     chosen, rank = winner_on_validation(results), {r.method: i for i, r in enumerate(ordered(results), 1)}
     cells = {}
     for r in results:
+        better = "higher" if HIGHER_IS_BETTER[metric] else "lower"
         if not r.ranked:
-            cells[r.method] = {"metric": metric, "status": unranked_note(r)}
+            cells[r.method] = {"metric": metric, "better": better, "status": unranked_note(r)}
             continue
         point, low, high = r.personalized
-        cells[r.method] = {"metric": metric, "rank": rank[r.method], "best": rank[r.method] == 1, "mean": point,
+        cells[r.method] = {"metric": metric, "better": better, "rank": rank[r.method], "best": rank[r.method] == 1, "mean": point,
                            "ci_low": low, "ci_high": high, "seeds": len(r.seeds),
                            "not_worse_than_best": r.indistinguishable(), "global_only": r.global_only,
                            "best_on_validation": r is chosen, "marks": marks(r, r is chosen),
@@ -741,13 +796,14 @@ def column_cells(results: list[MethodResult], metric: str) -> dict[str, dict]:
     return cells
 
 
-CSV_FIELDS = ("method", "experiment", "metric", "rank", "best", "mean", "ci_low", "ci_high", "seeds", "weighted",
+CSV_FIELDS = ("method", "experiment", "metric", "better", "rank", "best", "mean", "ci_low", "ci_high", "seeds", "weighted",
               "not_worse_than_best", "global_only", "best_on_validation", "status")
 
 
 def csv_rows(rows: dict[str, dict[str, dict]], columns: list[str]) -> list[dict]:
     """The table in long form, a row per (method, experiment), every number unrounded (for a
-    paper's own formatting or plots): `rank` by the client mean and `best` (rank 1), which
+    paper's own formatting or plots): `metric` (acc, mse) and which way is `better` (higher,
+    lower), `rank` by the client mean and `best` (rank 1), which
     `not_worse_than_best` (≈) is relative to; `status` says why a cell is not ranked."""
     return [{"method": method, "experiment": experiment,
              **{key: row[experiment].get(key, "") for key in CSV_FIELDS[2:]}}
@@ -759,16 +815,23 @@ LATEX_MARKS = {"≈": r"$^{\approx}$", "†": r"$^{\dagger}$", "✓": r"$^{\chec
 
 def latex(rows: dict[str, dict[str, dict]], columns: list[str], comment: str) -> str:
     """The table as a booktabs `tabular` (a paper's `\\input`) under a `% comment` line, rendered
-    and escaped by pandas' Styler: mean [95% CI] to 3 decimals with the markdown's marks, the
-    column's best in bold; an unranked cell says why in a footnote-sized line."""
+    and escaped by pandas' Styler: each column headed by its experiment, metric and direction,
+    mean [95% CI] to 3 decimals with the markdown's marks, the column's best in bold; an
+    unranked cell says why in a footnote-sized line."""
 
     def text(c: dict | None) -> str:
         if c is None:
             return "--"
         return c["status"] if "status" in c else f"{c['mean']:.3f} [{c['ci_low']:.3f}, {c['ci_high']:.3f}]"
 
+    def heading(col: str) -> str:
+        metric = next((row[col]["metric"] for row in rows.values() if col in row), None)
+        if metric is None:
+            return col
+        return f"{col} ({'accuracy' if metric == 'acc' else 'MSE'}, {'higher' if HIGHER_IS_BETTER[metric] else 'lower'} is better)"
+
     table = pd.DataFrame([[method, *(text(row.get(col)) for col in columns)] for method, row in rows.items()],
-                         columns=["Method", *columns])
+                         columns=["Method", *map(heading, columns)])
     styler = table.style.hide(axis="index").format(escape="latex").format_index(escape="latex", axis=1)
     for i, row in enumerate(rows.values()):
         for col in columns:
@@ -777,7 +840,7 @@ def latex(rows: dict[str, dict[str, dict]], columns: list[str], comment: str) ->
             bold = (lambda v: r"\textbf{" + v + "}") if cell.get("best") else (lambda v: v)
             wrap = ((lambda v: r"{\footnotesize " + v + "}") if "status" in cell
                     else (lambda v, m=marks, b=bold: b(v) + m))
-            styler.format(wrap, subset=pd.IndexSlice[[i], [col]], escape="latex")
+            styler.format(wrap, subset=pd.IndexSlice[[i], [heading(col)]], escape="latex")
     body = styler.to_latex(hrules=True, column_format="l" + "c" * len(columns))
     return f"% {comment}\n{body}"
 
@@ -801,12 +864,18 @@ def _pyplot():
 MARKERS = "os^DvPX"  # 7 against 20 colors: no two of the first 140 methods share color and marker
 
 
+# tab20 without its grey pair (indices 14, 15): a grey line means "outside the top group"
+PALETTE = [2 * i for i in range(10) if i != 7] + [2 * i + 1 for i in range(10) if i != 7]
+
+
 def method_styles(results: list[MethodResult]) -> dict[str, dict]:
-    """Each ranked method's line style, the same in every figure of a report: tab20's ten dark
-    colors on solid lines, then its ten light ones on dashed lines, each with its own marker."""
-    colors = _pyplot().get_cmap("tab20")
-    ranked = [r.method for r in results if r.ranked]
-    return {method: {"color": colors(2 * (i % 10) + i // 10 % 2), "linestyle": "--" if i // 10 % 2 else "-",
+    """Each ranked method's line style, the same in every figure of a report, the top group's
+    first: tab20's nine dark colors but grey on solid lines, then its nine light ones on dashed
+    lines, each with its own marker."""
+    colors, top = _pyplot().get_cmap("tab20"), {r.method for r in top_group(results)}
+    ranked = sorted((r.method for r in results if r.ranked), key=lambda method: method not in top)  # stable
+    half = len(PALETTE) // 2
+    return {method: {"color": colors(PALETTE[i % len(PALETTE)]), "linestyle": "--" if i // half % 2 else "-",
                      "marker": MARKERS[i % len(MARKERS)]} for i, method in enumerate(ranked)}
 
 
@@ -878,6 +947,8 @@ def _two_panels(results: list[MethodResult], title: str, panels: dict[str, str],
     if not listed:
         plt.close(fig)
         return None
+    if highlight is not None:
+        _focus(axes[0], [line for ax in axes for line in ax.get_lines() if line.get_label() in highlight])
     axes[0].set_ylabel(ylabel)
     fig.supxlabel(xlabel, fontsize="medium")  # one label under both panels
     fig.suptitle(title)
@@ -886,12 +957,24 @@ def _two_panels(results: list[MethodResult], title: str, panels: dict[str, str],
     return fig
 
 
+def _focus(ax, lines) -> None:
+    """The y range of `lines` over the later half of each one's x, padded: the highlighted
+    methods told apart where they end, not squeezed by the others' or their own early rounds."""
+    ys = [y for line in lines for x, y in zip(line.get_xdata(), line.get_ydata())
+          if x >= (min(line.get_xdata()) + max(line.get_xdata())) / 2]
+    if ys:
+        low, high = min(ys), max(ys)
+        pad = max(high - low, 1e-3 * max(abs(high), 1e-12)) * 0.25
+        ax.set_ylim(low - pad, high + pad)
+
+
 def curves_figure(client, results: list[MethodResult], metric: str, title: str):
     """Personalized and global test metric against the share of each method's own rounds (so
     that a method of ten times the rounds, L2SGD's, spans the axis as the others do), one line
     per ranked method: the top group (the best by the client mean and the methods ≈ to it) in
-    color, the others in grey; all in color when no method of the top group has a round curve
-    (a downstream Learn2pFed's)."""
+    color, the others in grey, the y axis the top group's range over the later half of its
+    rounds; all in color when no method of the top group has a round curve (a downstream
+    Learn2pFed's)."""
     kinds = {"personalized": "personalized model", "global": "global model"}
     curves = {(r.method, kind): seed_curve(client, r.run_ids, f"test/{kind}/{metric}_mean")
               for r in results if r.ranked for kind in kinds}
@@ -1009,7 +1092,7 @@ def save_figure(fig, path: Path) -> None:
 
 
 FIGURES = (  # file name, builder, caption
-    ("curves", curves_figure, "learning curves"),
+    ("curves", curves_figure, "learning curves (y: the top group's range)"),
     ("compute", compute_figure, "metric against compute"),
     ("clients", clients_figure, "per-client distribution"),
     ("participation", participation_figure, "Learn2pFed's learned participation"),

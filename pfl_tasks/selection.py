@@ -43,9 +43,8 @@ def tracked_series(record: dict) -> dict:
 
 
 SELECTION_RULE = (
-    "the latest evaluation whose mean validation metric over clients is within one standard error of the "
-    "best evaluation's, the standard error of their difference from the sampling noise of the clients' "
-    "validation rows: a later evaluation stands unless an earlier one is better beyond that noise")
+    "the latest evaluation whose mean validation metric is not worse than the best evaluation's beyond one "
+    "standard error of their difference (the clients' validation rows' sampling noise)")
 
 
 def validation_score(metrics: dict[str, dict[str, dict[str, torch.Tensor]]], task: str) -> tuple[float, float] | None:

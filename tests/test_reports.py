@@ -2,6 +2,7 @@
 diverged runs listed, and `compare` against a real `mlflow server`."""
 
 import json
+import re
 import os
 import sys
 import time
@@ -119,7 +120,7 @@ def test_both_reports_count_the_same_runs_with_cis_marks_and_diverged_runs(tmp_p
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"](../figures/{png.name})" in report
     # the ranked table for a paper: every number unrounded in the CSV, marks in the LaTeX
     paper = (tmp_path / "reports" / f"{experiment}.csv").read_text().splitlines()
-    assert paper[1].startswith(f"a,{experiment},acc,1,True,{a.personalized[0]!r},") and "diverged at round 7" in paper[-1]
+    assert paper[1].startswith(f"a,{experiment},acc,higher,1,True,{a.personalized[0]!r},") and "diverged at round 7" in paper[-1]
     tex = (tmp_path / "reports" / f"{experiment}.tex").read_text()
     assert f"b & {b.personalized[0]:.3f} [{b.personalized[1]:.3f}, {b.personalized[2]:.3f}]$^{{\\approx}}$$^{{\\checkmark}}$" in tex
 
@@ -130,7 +131,7 @@ def test_both_reports_count_the_same_runs_with_cis_marks_and_diverged_runs(tmp_p
         assert (got["mean"], got["ci_low"], got["ci_high"]) == pytest.approx(r.personalized)
         assert got["seeds"] == 2 and got["marks"] == {"a": "", "b": "≈✓", "c": "†"}[r.method]
         assert got["best_on_validation"] == (r is b)
-    assert rows["d"][experiment] == {"metric": "acc", "status": "diverged at round 7 (seed 1)"}
+    assert rows["d"][experiment] == {"metric": "acc", "better": "higher", "status": "diverged at round 7 (seed 1)"}
     text = markdown("t", rows, [experiment], params.verdicts)
     assert "| d | diverged at round 7 (seed 1) |" in text
     json.dumps(rows, allow_nan=False)  # the DVC metrics file is strict JSON
@@ -295,6 +296,39 @@ def test_the_test_selected_statistic_is_printed_apart_and_ranks_nothing(tmp_path
     assert f"| b | 0.9400 | {by_method['b'].weighted[0]:.4f} | {by_method['b'].personalized[0]:.4f} |" in section
 
 
+def header_sentences(text: str) -> list[str]:
+    """The sentences of a report above its first table."""
+    header = text.split("\n| rank |", 1)[0]
+    return [s for line in header.splitlines()[1:] for s in re.split(r"(?<=[.!?])\s+", line.strip()) if s]
+
+
+def test_a_report_opens_with_its_verdict_in_short_sentences_and_its_premises_warned():
+    """A reader gets the verdict from the first line: the top group and what it means. A rank
+    outside the group above a rank inside it is explained, a baseline that did not plateau is a
+    warning (the protocol's budgets assume it does), and no header sentence runs past 30 words."""
+    results = [ranked_result("fedavg_ft", 0.96), ranked_result("ditto", 0.955, p_vs_best=0.4),
+               ranked_result("learn2pfed-train", 0.952, p_vs_best=0.01),
+               ranked_result("knnper", 0.949, p_vs_best=0.2),
+               ranked_result("fedavg", 0.926, p_vs_best=0.001, plateaued=(True, False)),
+               ranked_result("local", 0.90, p_vs_best=0.001)]
+    text = report_markdown("e", "acc", results, {})
+    first = text.splitlines()[2]
+    assert first.startswith("**Verdict:** no method is significantly better than the others by the client mean of "
+                            "the personalized test accuracy. The top group, not significantly different from "
+                            "fedavg_ft (rank 1): ditto, knnper. The other 3 ranked methods are significantly worse "
+                            "than fedavg_ft."), first
+    assert "learn2pfed-train (rank 3) is outside the top group, while knnper (4) is inside." in text
+    assert "⚠ The protocol chooses budgets on which fedavg plateaus, but it plateaued on 1 of 2 seeds" in text
+    assert "⚠ 11 of 12 ranked runs plateaued on validation: the ranking may be premature." in text
+    long = [s for s in header_sentences(text) if len(s.split()) > 30]
+    assert not long, long
+    alone = report_markdown("e", "acc", [ranked_result("a", 0.9), ranked_result("b", 0.8, p_vs_best=0.001)], {})
+    assert alone.splitlines()[2] == ("**Verdict:** a is best by the client mean of the personalized test accuracy, "
+                                     "significantly better than every other ranked method. The other ranked "
+                                     "method is significantly worse than a.")
+    assert "⚠" not in alone
+
+
 def test_regression_ranks_lowest_mse_first_and_missing_experiment_is_named(tmp_path):
     from mlflow.tracking import MlflowClient
 
@@ -378,6 +412,36 @@ def test_figures_fit_their_text_band_the_seeds_and_draw_a_shared_global_curve_on
     clients = figures["clients"].axes[0]
     methods = [t.get_text() for t in clients.get_xticklabels()]
     assert [to_rgb(box.get_facecolor()) for box in clients.patches] == [color_of[m] for m in methods]
+
+
+def test_the_top_group_is_drawn_in_colors_none_grey_and_framed_by_its_own_range():
+    """Every method of the top group has a color of its own and none is grey (tab20's eighth
+    pair, which FedCR drew at rank 8), and the curves' y axis is the top group's later range."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import to_rgb
+
+    from pfl_tasks.reports import _focus, method_styles, top_group
+
+    results = ([ranked_result(f"m{i}", 0.9 - i / 1000, p_vs_best=None if i == 0 else 0.001) for i in range(7)]
+               + [ranked_result(f"top{i}", 0.8 - i / 1000, p_vs_best=0.5) for i in range(12)])
+    results[0] = ranked_result("m0", 0.95)
+    styles = method_styles(results)
+    greys = {to_rgb(plt.get_cmap("tab20")(i)) for i in (14, 15)}
+    assert not {to_rgb(style["color"]) for style in styles.values()} & greys
+    top = [r.method for r in top_group(results)]
+    assert len(top) == 13 and len({(to_rgb(styles[m]["color"]), styles[m]["linestyle"]) for m in top}) == 13
+    fig, ax = plt.subplots()
+    x = [0.1 * i for i in range(1, 11)]
+    ax.plot(x, [0.1 + 0.09 * i for i in range(10)], label="a")  # climbs to 0.91, then holds
+    ax.plot(x, [0.93] * 10, label="b")
+    ax.plot(x, [0.3] * 10, label="other")
+    _focus(ax, [line for line in ax.get_lines() if line.get_label() in ("a", "b")])
+    low, high = ax.get_ylim()
+    assert (low, high) == pytest.approx((0.55 - 0.095, 0.93 + 0.095))  # a's later half and b, padded; not 'other'
+    plt.close(fig)
 
 
 @pytest.mark.slow
@@ -503,16 +567,17 @@ def test_a_table_exports_to_latex_and_csv_with_its_marks_and_unranked_reasons():
     unranked cell's reason), and a CSV row per cell with every number unrounded."""
     from pfl_tasks.reports import csv_rows, latex
 
-    best = {"metric": "acc", "rank": 2, "best": False, "mean": 0.91234, "ci_low": 0.9, "ci_high": 0.925, "seeds": 3,
+    best = {"metric": "acc", "better": "higher", "rank": 2, "best": False, "mean": 0.91234, "ci_low": 0.9, "ci_high": 0.925, "seeds": 3,
             "weighted": 0.9, "not_worse_than_best": True, "global_only": False, "best_on_validation": True,
             "marks": "≈✓"}
     rows = {"fed_avg": {"mnist": {**best, "rank": 1, "best": True, "not_worse_than_best": False, "marks": "†",
                                   "best_on_validation": False, "global_only": True}},
-            "ditto": {"mnist": best, "cifar": {"metric": "acc", "status": "diverged at round 3 (seed 0)"}}}
+            "ditto": {"mnist": best, "cifar": {"metric": "acc", "better": "higher", "status": "diverged at round 3 (seed 0)"}}}
     comment = "t: written by `python -m flows.tables` (reports/markdown/t.md says how to read it)"
     assert latex(rows, ["mnist", "cifar"], comment).splitlines() == [
         "% t: written by `python -m flows.tables` (reports/markdown/t.md says how to read it)",
-        r"\begin{tabular}{lcc}", r"\toprule", r"Method & mnist & cifar \\", r"\midrule",
+        r"\begin{tabular}{lcc}", r"\toprule",
+        r"Method & mnist (accuracy, higher is better) & cifar (accuracy, higher is better) \\", r"\midrule",
         r"fed\_avg & \textbf{0.912 [0.900, 0.925]}$^{\dagger}$ & -- \\",
         r"ditto & 0.912 [0.900, 0.925]$^{\approx}$$^{\checkmark}$ & {\footnotesize diverged at round 3 (seed 0)} \\",
         r"\bottomrule", r"\end{tabular}"]
@@ -523,6 +588,7 @@ def test_a_table_exports_to_latex_and_csv_with_its_marks_and_unranked_reasons():
         ("fed_avg", "mnist", 0.91234, ""), ("ditto", "mnist", 0.91234, ""),
         ("ditto", "cifar", "", "diverged at round 3 (seed 0)")]
     assert csv[1]["best_on_validation"] is True and csv[0]["global_only"] is True
+    assert {(r["metric"], r["better"]) for r in csv} == {("acc", "higher")}  # what the numbers are, and which way is better
     assert [(r["rank"], r["best"]) for r in csv] == [(1, True), (2, False), ("", "")]
 
 
@@ -540,6 +606,8 @@ def test_a_columns_cells_rank_the_methods_and_the_top_group_includes_the_best():
         "ditto": (1, True, False, False), "fedavg": (2, False, True, True), "local": (3, False, False, False)}
     rows = csv_rows({m: {"e": c} for m, c in cells.items()}, ["e"])
     assert [r["method"] for r in rows if r["best"] or r["not_worse_than_best"]] == ["ditto", "fedavg"]
+    assert {(r["metric"], r["better"]) for r in csv_rows({m: {"e": c} for m, c in column_cells(results, "mse").items()},
+                                                         ["e"])} == {("mse", "lower")}
 
 
 def test_every_report_header_says_which_runs_it_counts():
