@@ -1,9 +1,11 @@
 """`tune` stage: each method of one experiment tuned on validation (pfl_tasks/tuning.py).
 
 Runs every grid point of `tuning.<experiment>` as experiment `<experiment>-tune` in
-`sweeps/tune-<experiment>/` (its params, partition, runs and a report of every point, all
-logged to MLflow under that name), then writes the choices to `tuning/<experiment>.json`, which
-the `train-<experiment>` stage reads. Finished points are kept, as a train stage keeps its runs.
+`sweeps/tune-<experiment>/` (its params, partition and runs, logged to MLflow under that name),
+then writes the choices to `tuning/<experiment>.json`, which the `train-<experiment>` stage
+reads. Finished points are kept, as a train stage keeps its runs. Nothing here shows a point's
+test number: the grid is read on validation alone (the choices, and every point's score, are in
+the tuning file, ordered as its grid).
 
     python -m flows.tune <experiment> [--params params.yaml] [--root .]
 """
@@ -35,7 +37,6 @@ if __name__ == "__main__":  # --help, and a command-line or config error, answer
 import yaml
 from prefect import flow
 
-from flows.compare import compare
 from flows.prepare import prepare
 from flows.stage import check_prefect_api, prefect_api, stage_main
 from flows.train import train_experiment
@@ -44,6 +45,7 @@ from pfl_tasks.config import load_params, read_params, snapshot_write
 from pfl_tasks.data import PARTITIONS
 from pfl_tasks.errors import ConfigError
 from pfl_tasks.outputs import json_text
+from pfl_tasks.reports import collect, configured_runs, primary_metric, results_store, summarize
 from pfl_tasks.tuning import choose, grids, tune_name, tuning_params, tuning_path, widened
 
 SWEEPS = Path("sweeps")  # where sweeps, and tunings, run: each its own params, data, runs and report
@@ -58,6 +60,17 @@ def run_seconds(uri: str, results: list) -> float:
     client = MlflowClient(tracking_uri=uri)
     infos = [client.get_run(run_id).info for r in results for run_id in r.run_ids]
     return sum((i.end_time - i.start_time) / 1000 for i in infos if i.end_time)
+
+
+def grid_results(name: str, params_path: str, root: Path) -> list:
+    """The grid points' results (`MethodResult`s), read as `compare` reads a ranking's runs,
+    without its test-ranked report or console line: a chooser sees validation alone."""
+    from pfl_tasks.tracking import tracking_uri
+
+    params = load_params(params_path)
+    client, _ = results_store(tracking_uri(params.tracking.mlflow_uri), [name], params_path)
+    newest = collect(client, name, configured_runs(params, name, root))
+    return summarize(client, newest, primary_metric(newest), params.verdicts)
 
 
 def checked_params(experiment: str, params_path: str):
@@ -82,7 +95,7 @@ def tune_flow(experiment: str, params_path: str = "params.yaml", root: str = "."
         snapshot_write(tune_params, yaml.safe_dump(raw, sort_keys=False))
         prepare(params.experiments[experiment].dataset, str(tune_params), where / PARTITIONS)
         train_experiment(name, str(tune_params), str(where), "restart")  # trains the points not yet finished
-        results = compare([name], str(tune_params), root=str(where))[name]
+        results = grid_results(name, str(tune_params), where)
         seconds = run_seconds(tracking_uri(params.tracking.mlflow_uri), results)
         wider = widened(params, experiment, choose(params, experiment, results, seconds, tried))
         if wider == tried or widening == widenings:
