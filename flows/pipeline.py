@@ -40,7 +40,7 @@ def arguments() -> argparse.ArgumentParser:
 if __name__ == "__main__":  # --help and a command-line error answer before Prefect and MLflow load, which read their settings then
     local_defaults()
     first = arguments().parse_args()
-    pin_numerics_first("pipeline", first.params, first.experiments)
+    pin_numerics_first("pipeline", first.params, first.experiments, algorithms=True)
 
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE

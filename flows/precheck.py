@@ -15,7 +15,7 @@ import gc
 import sys
 
 from pfl_tasks.config import load_params, unknown
-from pfl_tasks.errors import ConfigError
+from pfl_tasks.errors import ConfigError, SourceError
 from pfl_tasks.numerics import pin
 from pfl_tasks.store_process import sqlite_path, start as start_store_process
 from pfl_tasks.tracking import tracking_uri
@@ -39,16 +39,25 @@ def check_params_first(stage: str, params_path: str, experiment: str) -> None:
 
 
 def pin_numerics_first(stage: str, params_path: str, experiments=(), datasets=(), stored: bool = False,
-                       runs=()) -> None:
+                       runs=(), algorithms: bool = False) -> None:
     """For an entry point that loads torch, Prefect or MLflow before it reads its params: pin
     `engine.numerics` from the params file first, and check the names the command line gives
     (`experiments`: configured, or with `stored` held by the sqlite store; `datasets`; `runs`, a
-    sweep's --algorithms) and the files of your own data they train on, or exit 2 with the one line."""
+    sweep's --algorithms) and the files of your own data they train on, and with `algorithms`
+    every run's hyper-parameters and tuning grid (torch loads for it: about 1 s), or exit 2
+    with the one line."""
     try:
         params = load_params(params_path)
         pin(params.engine.numerics)
-        check_names(params, params_path, experiments, datasets, stored)
         check_runs(params, runs)
+        for name in params.experiments if algorithms else ():  # by name, without torch: a typo answers at once
+            for i, run in enumerate(params.experiments[name].algorithms or params.algorithms):
+                check_runs(params, [run], f"experiments.{name}.algorithms[{i}]")
+        check_names(params, params_path, experiments, datasets, stored)
+        if algorithms:
+            from pfl_tasks.algorithms import validate_params
+
+            validate_params(params)
     except ConfigError as err:
         print(f"{stage} failed: {err}", file=sys.stderr)
         sys.exit(2)
@@ -70,6 +79,14 @@ def check_names(params, params_path: str, experiments, datasets, stored: bool) -
         if source.name == "file" and not source.path.is_file():
             raise ConfigError(f"{params_path}: datasets.{dataset}.source.path: {source.path}: no such file "
                               "(relative to the project root)")
+        if source.name == "file":
+            from pfl_tasks.data.sources import check_columns, sniff
+
+            try:
+                sniff(source.path)
+                check_columns(source)
+            except SourceError as err:
+                raise ConfigError(str(err)) from None
 
 
 def stored_experiments(params) -> list[str]:
@@ -103,10 +120,10 @@ def registered_algorithms() -> set[str]:
     return names
 
 
-def check_runs(params, runs) -> None:
-    """A ConfigError naming the first of `runs` (a sweep's --algorithms) that names no algorithm,
-    by itself or through its entry under `algorithms`."""
+def check_runs(params, runs, where: str = "--algorithms") -> None:
+    """A ConfigError naming the first of `runs` (a sweep's --algorithms, an experiment's list)
+    that names no algorithm, by itself or through its entry under `algorithms`."""
     known = registered_algorithms() if runs else set()
     for run in runs:
         if (params.algorithms.get(run) or {}).get("algorithm", run) not in known:
-            raise ConfigError(f"--algorithms: {unknown('algorithm', run, known | set(params.algorithms))}")
+            raise ConfigError(f"{where}: {unknown('algorithm', run, known | set(params.algorithms))}")

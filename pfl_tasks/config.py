@@ -8,6 +8,7 @@ algorithm registry (`pfl_tasks.algorithms.validate_params`), which owns their ty
 from __future__ import annotations
 
 import contextlib
+import difflib
 import hashlib
 import io
 import json
@@ -601,15 +602,14 @@ class Params(Strict):
             if exp.algorithms is None and not self.algorithms:
                 raise ValueError(f"experiments.{name}.algorithms: none listed, and 'algorithms' is empty")
             for key in ("algorithm_overrides", "run_overrides"):
-                strays = sorted(set(getattr(exp, key)) - set(exp.algorithms or self.algorithms))
-                if strays:
-                    raise ValueError(f"experiments.{name}.{key}: {strays} are not among its algorithms")
+                _among(f"experiments.{name}.{key}", getattr(exp, key), exp.algorithms or self.algorithms,
+                       f"experiments.{name}.algorithms")
         for name, tuning in self.tuning.items():
             if name not in self.experiments:
-                raise ValueError(f"tuning.{name}: no such experiment (have: {sorted(self.experiments)})")
-            strays = sorted(set(tuning.hyper) - set(self.experiments[name].algorithms or self.algorithms))
-            if strays:
-                raise ValueError(f"tuning.{name}.hyper: {strays} are not among experiments.{name}'s algorithms")
+                raise ValueError(f"tuning.{name}: no such experiment{_did_you_mean(name, self.experiments)} "
+                                 f"(have: {sorted(self.experiments)})")
+            _among(f"tuning.{name}.hyper", tuning.hyper, self.experiments[name].algorithms or self.algorithms,
+                   f"experiments.{name}.algorithms")
         return self
 
     def partition_seeds(self, dataset: str) -> list[int]:
@@ -787,14 +787,25 @@ def _read_bytes(path: Path, missing: bytes | None = None) -> bytes:
         return missing
 
 
+def _among(where: str, names, runs, listed: str) -> None:
+    """A ValueError naming the `names` that are not among an experiment's `runs`, each with the
+    run it may misspell or that may misspell it (`dito` listed where `ditto` is tuned)."""
+    strays = sorted(set(names) - set(runs))
+    if strays:
+        close = [f"{s!r} here and {close[0]!r} there" for s in strays
+                 if (close := difflib.get_close_matches(s, list(runs), n=1))]
+        raise ValueError(f"{where}: {strays} are not among {listed} {list(runs)}"
+                         + (f": {', '.join(close)}, a typo in one of them?" if close else ""))
+
+
 def read_params(path: str | Path) -> dict:
     """The raw params file, unvalidated; one over MAX_PARAMS_BYTES is refused unread."""
     try:
         text = snapshot_read(path)
     except FileNotFoundError:
-        here = sorted(p.name for p in Path(path).parent.glob("params*.yaml"))
-        raise ConfigError(f"{path}: no such params file (params files in {Path(path).parent}: "
-                          f"{', '.join(here) or 'none'})") from None
+        here = sorted(p.name for p in Path(path).parent.glob("*.yaml") if p.name != "dvc.yaml")
+        raise ConfigError(f"{path}: no such params file{_did_you_mean(Path(path).name, here)} "
+                          f"(YAML files in {Path(path).parent}: {', '.join(here) or 'none'})") from None
     except OSError as err:
         raise ConfigError(f"cannot read {path}: {err}") from None
     if len(text) > MAX_PARAMS_BYTES:
@@ -821,12 +832,14 @@ def _yaml_problem(err: yaml.YAMLError) -> str:
     return where + " ".join(str(getattr(err, "problem", None) or err).split())
 
 
+def _did_you_mean(name: str, have) -> str:
+    close = difflib.get_close_matches(str(name), [str(h) for h in have], n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
 def unknown(kind: str, name: str, have) -> str:
     """An unknown name's error: the closest of the names that exist, and all of them."""
-    import difflib
-
-    close = difflib.get_close_matches(str(name), [str(h) for h in have], n=1)
-    return f"unknown {kind} '{name}'{f' (did you mean {close[0]!r}?)' if close else ''}; have: {sorted(have)}"
+    return f"unknown {kind} '{name}'{_did_you_mean(name, have)}; have: {sorted(have)}"
 
 
 def load_params(path: str | Path = "params.yaml") -> Params:

@@ -81,3 +81,29 @@ def test_algorithm_variants_by_explicit_class():
 def test_dangling_dataset_reference():
     data = tiny_params(dataset="nope")
     assert "experiments.tiny.dataset" in error_of(data)
+
+
+def test_a_typo_between_an_experiments_runs_and_its_tuning_names_both_spellings():
+    """A method misspelled in the experiment's list, or in its tuning grid: the error names the
+    two spellings, not only that the tuning section is wrong."""
+    for listed, tuned in ((["fedavg", "dito"], "ditto"), (["fedavg", "ditto"], "dito")):
+        raw = tiny_params(algorithms=listed)
+        raw["tuning"] = {"tiny": {"lr": [0.1], "hyper": {tuned: {"mu": [0.1]}}}}
+        assert (f"tuning.tiny.hyper: [{tuned!r}] are not among experiments.tiny.algorithms {listed}: "
+                f"{tuned!r} here and {listed[1]!r} there, a typo in one of them?") in error_of(raw)
+
+
+def test_a_tuning_grids_value_is_checked_as_its_algorithm_checks_it_naming_the_grid():
+    """Before any grid point is written or trained: the grid's key, not the point's internal run name."""
+    raw = tiny_params(algorithms=["fedavg", "ditto"])
+    raw["tuning"] = {"tiny": {"lr": [0.1], "hyper": {"ditto": {"mu": [0.1, -1.0]}}}}
+    assert error_of(raw) == "tuning.tiny.hyper.ditto.mu: Input should be greater than or equal to 0 (its grid's value -1.0)"
+
+
+def test_a_missing_params_file_names_the_closest_yaml_file_here(tmp_path):
+    (tmp_path / "own-params.yaml").write_text("seed: 0\n")
+    (tmp_path / "dvc.yaml").write_text("stages: {}\n")
+    with pytest.raises(ConfigError) as info:
+        load_params(tmp_path / "own-param.yaml")
+    assert str(info.value).endswith("own-param.yaml: no such params file (did you mean 'own-params.yaml'?) "
+                                    f"(YAML files in {tmp_path}: own-params.yaml)")

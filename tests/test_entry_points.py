@@ -139,7 +139,7 @@ CONFIG_ERRORS = {  # an entry point's config error, and the hint it gives
     "sweep, algorithm": (["flows.sweep", "tiny", "--algorithms", "fedavgg"],
                          "--algorithms: unknown algorithm 'fedavgg' (did you mean 'fedavg'?)"),
     "serve": (["flows.serve", "--sweep", "{"], "--sweep: Invalid JSON"),
-    "tables": (["flows.tables", "--params", "param.yaml"], "param.yaml: no such params file (params files in .: params.yaml)"),
+    "tables": (["flows.tables", "--params", "param.yaml"], "param.yaml: no such params file (did you mean 'params.yaml'?) (YAML files in .: params.yaml)"),
     "tune": (["flows.tune", "tinny"], "unknown experiment 'tinny' (did you mean 'tiny'?)"),
     "learn2pfed": (["flows.learn2pfed", "tinny"], "unknown experiment 'tinny' (did you mean 'tiny'?)"),
     "train": (["flows.train", "tiny", "--params", "param.yaml"], "param.yaml: no such params file"),

@@ -297,6 +297,10 @@ def test_a_file_of_your_own_that_does_not_fit_is_one_line_naming_it(tmp_path):
 
     fails(r"nosuch.csv: no such file", path=str(tmp_path / "nosuch.csv"))
     fails(r"own.csv: no column\(s\) \['label'\]", path=str(table))
+    # a second `label` header would reach the model as pandas' `label.1`, a feature holding the label
+    (tmp_path / "twice.csv").write_text("a,label,b,label,b\n" + "".join(f"{i},{i % 2},1,{i % 2},2\n" for i in range(30)))
+    fails(r"twice.csv: column\(s\) \['b', 'label'\] appear more than once in its header: rename them",
+          path=str(tmp_path / "twice.csv"))
     fails(r"feature column\(s\) \['species'\] are not numeric", path=str(table), label="y")
     (tmp_path / "one.csv").write_text("a,label\n1,x\n2,x\n3,x\n")
     fails(r"one.csv: label 'label' has 1 class", path=str(tmp_path / "one.csv"))

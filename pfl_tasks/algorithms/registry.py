@@ -9,7 +9,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from pfl_tasks.config import Params
+from pfl_tasks.config import Params, unknown
 from pfl_tasks.errors import ConfigError
 
 ALGORITHMS: dict[str, type] = {}
@@ -26,9 +26,7 @@ def build(run_name: str, raw: dict[str, Any], where: str | None = None):
     raw, where = dict(raw or {}), where or f"algorithms.{run_name}"
     kind = raw.pop("algorithm", run_name)
     if kind not in ALGORITHMS:
-        raise ConfigError(
-            f"{where}: unknown algorithm '{kind}'; registered: {sorted(ALGORITHMS)} (or an entry under 'algorithms')"
-        )
+        raise ConfigError(f"{where}: {unknown('algorithm', kind, ALGORITHMS)} (or an entry under 'algorithms')")
     cls = ALGORITHMS[kind]
     try:
         return cls(cls.Hyper.model_validate(raw))
@@ -55,8 +53,8 @@ def source_file(run_name: str, raw: dict[str, Any]) -> Path:
 
 
 def validate_params(params: Params) -> Params:
-    """Every algorithm entry, and every experiment's runs with its overrides; a hyper-parameter
-    that an experiment tunes is refused at any value but its default (`untuned_values`)."""
+    """Every algorithm entry, every experiment's runs with its overrides, and every value of its
+    tuning grids (`check_tuning`)."""
     for run_name, raw in params.algorithms.items():
         build(run_name, raw)
     for name, exp in params.experiments.items():
@@ -65,22 +63,27 @@ def validate_params(params: Params) -> Params:
             where = (f"experiments.{name}.algorithm_overrides.{run_name}" if run_name in exp.algorithm_overrides
                      else f"experiments.{name}.algorithms[{resolved.algorithms.index(run_name)}]")
             build(run_name, resolved.hyper[run_name], where)
-        untuned_values(params, name)
+        check_tuning(params, name)
     return params
 
 
-def untuned_values(params: Params, experiment: str) -> None:
-    """A ConfigError where `algorithms.<run>.<key>` (or the experiment's override of it) sets a
-    key that `tuning.<experiment>.hyper.<run>` tunes to other than its default: the tuning's
-    choice replaces it, so no run would train with it (a `dvc exp run -S` of it would pass as a
-    change that changes nothing)."""
+def check_tuning(params: Params, experiment: str) -> None:
+    """A ConfigError naming the first value of a `tuning.<experiment>.hyper` grid that its
+    algorithm refuses (before a grid point is written or trained), or where
+    `algorithms.<run>.<key>` (or the experiment's override of it) sets a key the grid tunes to
+    other than its default: the tuning's choice replaces it, so no run would train with it (a
+    `dvc exp run -S` of it would pass as a change that changes nothing)."""
     if experiment not in params.tuning:
         return
     exp = params.experiments[experiment]
     hyper = params.experiment(experiment).hyper
     for run_name, grid in params.tuning[experiment].hyper.items():
-        if run_name not in hyper:
-            continue
+        for key, values in grid.items():
+            for value in values:
+                try:
+                    build(run_name, {**hyper[run_name], key: value}, where=f"tuning.{experiment}.hyper.{run_name}")
+                except ConfigError as err:
+                    raise ConfigError(f"{err} (its grid's value {value!r})") from None
         set_values = hyper_parameters(run_name, hyper[run_name], defaults=False)
         for key in sorted(set(grid) & set(set_values)):
             where = (f"experiments.{experiment}.algorithm_overrides.{run_name}.{key}"

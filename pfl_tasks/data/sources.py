@@ -247,7 +247,7 @@ def file(cfg: FileSource, rng: np.random.Generator) -> RawDataset:
     file, its own columns and its lines (rows of a Parquet table or .npz, from 0)."""
     if not cfg.path.is_file():
         raise SourceError(f"{cfg.path}: no such file (datasets.<name>.source.path, relative to the project root)")
-    _sniff(cfg.path)
+    sniff(cfg.path)
     columns = _npz_arrays(cfg) if cfg.path.suffix == ".npz" else _table_columns(cfg)
     features, labels = columns["features"], columns["labels"]
     if features.ndim < 2 or len(labels) != len(features) or labels.ndim != 1:
@@ -272,7 +272,7 @@ def file(cfg: FileSource, rng: np.random.Generator) -> RawDataset:
     return RawDataset(features.astype(np.float32), labels, cfg.task, n_classes, columns.get("groups"))
 
 
-def _sniff(path: Path) -> None:
+def sniff(path: Path) -> None:
     """Refuse a file that is not what its extension says from its first SNIFF_BYTES: a Parquet
     table or an .npz by its magic bytes, a CSV as UTF-8 text with a line break."""
     with open(path, "rb") as fh:
@@ -325,9 +325,29 @@ def _refuse_bad_values(cfg: FileSource, columns: dict[str, np.ndarray]) -> None:
                    else f"has {listing(found.tolist())}, not {BOUNDED},", rows)
 
 
+def check_columns(cfg: FileSource) -> None:
+    """A CSV source's header holds the columns `cfg` names, each once (pandas would rename a
+    second `label` to `label.1` and feed it to the model as a feature): one line naming the
+    file and the columns, read from its first line alone (so a stage answers before it loads)."""
+    if cfg.path.suffix != ".csv":
+        return
+    import collections
+    import csv
+
+    with open(cfg.path, newline="", encoding="utf-8", errors="replace") as fh:
+        header = next(csv.reader(fh), [])
+    repeated = sorted(name for name, count in collections.Counter(header).items() if count > 1)
+    if repeated:
+        raise SourceError(f"{cfg.path}: column(s) {repeated} appear more than once in its header: rename them")
+    missing = [c for c in [cfg.label, *([cfg.client] if cfg.client else []), *(cfg.features or [])] if c not in header]
+    if missing:
+        raise SourceError(f"{cfg.path}: no column(s) {missing} (it has {header[:20]})")
+
+
 def _table_columns(cfg: FileSource) -> dict[str, np.ndarray]:
     import pandas as pd
 
+    check_columns(cfg)
     try:
         table = pd.read_csv(cfg.path) if cfg.path.suffix == ".csv" else pd.read_parquet(cfg.path)
     except (OSError, ValueError) as err:
