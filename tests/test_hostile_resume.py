@@ -149,7 +149,7 @@ def test_a_run_that_aggregated_too_few_rounds_is_listed_not_ranked_saying_why(st
     assert skipped > 2  # of 4: fewer than half aggregated
     why = f"too few rounds aggregated: {4 - skipped} of 4 (seed 0)"
     assert f"- local: {why}" in report and "| local" not in report
-    assert starved_and_normal["table"]["local"]["tiny"] == {"metric": "acc", "status": why}
+    assert starved_and_normal["table"]["local"]["tiny"] == {"metric": "acc", "better": "higher", "status": why}
     assert "aggregated fewer than 50% of their rounds" in report  # the protocol says so
     local, = (r for r in starved_and_normal["results"] if r.method == "local")
     assert not local.ranked

@@ -61,5 +61,5 @@ def test_a_code_edit_after_the_lock_is_caught(tmp_path):
     optim = clone / "pfl_tasks" / "engine" / "optim.py"
     optim.write_text(optim.read_text() + "\n")
     stale = stale_stages(clone)
-    assert {"tune-mnist", "train-mnist", "tune-poly1", "compare"} <= set(stale)
-    assert all("pfl_tasks/engine/optim.py modified" in reasons for reasons in stale.values())
+    for stage in ("tune-mnist", "train-mnist", "tune-poly1", "learn2pfed-poly1", "compare"):
+        assert "pfl_tasks/engine/optim.py modified" in stale.get(stage, []), (stage, stale)

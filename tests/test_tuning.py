@@ -195,7 +195,7 @@ def test_a_run_override_names_its_key_and_an_experiment_without_tuning_is_as_con
         parse_params(raw).experiment("tiny")
     raw = tuning_raw()
     raw["tuning"]["tiny"]["hyper"]["ditto"] = {"mu": [1.0]}
-    with pytest.raises(ConfigError, match=r"tuning.tiny.hyper: \['ditto'\] are not among experiments.tiny's"):
+    with pytest.raises(ConfigError, match=r"tuning.tiny.hyper: \['ditto'\] are not among experiments.tiny.algorithms"):
         parse_params(raw)
     raw = tiny_params()
     assert tuned(parse_params(raw), "tiny", None) == parse_params(raw).experiment("tiny")

@@ -113,7 +113,7 @@ class FPFC(Algorithm):
                 torch.index_select(dual[k], 0, rows, out=old[k][:b])
                 torch.div(old[k][:b], rho, out=delta[k][:b]).add_(diff[k][:b])
             norm = sqrt(sum(torch.mul(delta[k][:b], delta[k][:b], out=new[k][:b]).flatten(1).sum(1)
-                                  for k in omega))
+                            for k in omega))
             scale = fusion_prox(norm, self.hp)
             for k in omega:
                 theta[k].index_copy_(0, rows, torch.mul(delta[k][:b], per_row(scale, delta[k][:b]), out=new[k][:b]))

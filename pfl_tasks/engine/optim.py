@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 
 from pfl_tasks.config import OptimizerConfig
-from pfl_tasks.numerics import sqrt
 from pfl_tasks.engine.state import Params, per_row
+from pfl_tasks.numerics import sqrt
 
 
 def init_state(cfg: OptimizerConfig, params: Params) -> dict[str, Params]:
