@@ -198,11 +198,13 @@ def expected(err: BaseException) -> bool:
 
 
 def prefect_unreachable(err: BaseException) -> str | None:
-    """The Prefect API URL that `err` (or its cause) failed to reach, None for any other error."""
+    """The Prefect API URL that `err` (or its cause) failed to reach, or that answered a server
+    error past its retries (a 503 from a loaded server's sqlite), None for any other error."""
     import httpx
 
     while err is not None:
-        if isinstance(err, httpx.TransportError):
+        if isinstance(err, httpx.TransportError) or (isinstance(err, httpx.HTTPStatusError)
+                                                      and err.response.status_code >= 500):
             with contextlib.suppress(RuntimeError):  # an error with no request
                 failed = str(err.request.url)
                 return next((url for url in _APIS if failed.startswith(url)), None)

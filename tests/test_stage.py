@@ -164,3 +164,26 @@ def test_signals_and_kills_leave_nothing_behind_and_resume_bit_identically(tmp_p
             a, b = (torch.utils._pytree.tree_flatten(s[alg][part])[0] for s in (expected, actual))
             assert len(a) == len(b) and all(
                 torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y for x, y in zip(a, b)), (alg, part)
+
+
+def test_a_server_error_from_our_prefect_server_past_its_retries_ends_the_stage_in_one_line(monkeypatch):
+    """A 503 (its sqlite busy under a loaded host) that outlasts the client's retries: one line
+    saying to rerun, as for a server that stopped answering; a 4xx, or another server's 5xx, is no such line."""
+    import httpx
+
+    import flows.stage
+
+    api = "http://127.0.0.1:4999/api"
+    monkeypatch.setattr(flows.stage, "_APIS", {api})
+
+    def failed(status: int, url: str = f"{api}/flow_runs/") -> Exception:
+        request = httpx.Request("POST", url)
+        return httpx.HTTPStatusError(f"{status}", request=request, response=httpx.Response(status, request=request))
+
+    assert flows.stage.ending(RuntimeError("while logging")) is None
+    wrapped = RuntimeError("while logging")
+    wrapped.__cause__ = failed(503)
+    assert flows.stage.ending(wrapped) == (f"the Prefect server at {api} stopped answering (while logging): rerun "
+                                           "the stage (finished runs are kept, the others resume from their last "
+                                           "checkpoints)")
+    assert flows.stage.ending(failed(404)) is None and flows.stage.ending(failed(503, "http://elsewhere/api/x")) is None
