@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def git_tracked(root: Path) -> set[str]:
     out = subprocess.run(["git", "ls-files"], cwd=root, capture_output=True, text=True, check=True).stdout
-    return set(out.split())
+    return set(out.splitlines())
 
 
 def stale_stages(root: Path) -> dict[str, list[str]]:
