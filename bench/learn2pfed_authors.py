@@ -31,10 +31,11 @@ import numpy as np
 import torch
 
 from bench.common import write_results
+from flows.learn2pfed import selection_scores
 from pfl_tasks.algorithms.learn2pfed import Cells, Problem
-from pfl_tasks.algorithms.learn2pfed_meta import client_metrics, make_optimizer, meta_step, personalized_models
+from pfl_tasks.algorithms.learn2pfed_meta import make_optimizer, meta_step, personalized_models
 from pfl_tasks.config import Learn2pFedConfig
-from pfl_tasks.selection import Selection, validation_score
+from pfl_tasks.selection import Selection
 
 BASE = np.array([0.0, -6.0, 18.0, -12.0])
 DATA_SEEDS, NET_SEEDS = (1, 2, 3), (0, 1, 2)
@@ -100,7 +101,7 @@ def project(cfg: Learn2pFedConfig, fit: Problem, select: Problem | None, seed: i
             personalized_models(cells, fit, w0, cfg)
         models.append(v)
         if select is not None:
-            selection.offer(epoch, validation_score({"val": {"personalized": client_metrics(select, v)}}, "regression"), None)
+            selection.offer(epoch, selection_scores(select, v)[1], None)
     chosen = selection.index if select is not None else cfg.meta.epochs
     return models[chosen], chosen
 

@@ -36,13 +36,14 @@ from pathlib import Path
 
 import torch
 
+from flows.learn2pfed import selection_scores
 from pfl_tasks.algorithms.learn2pfed import FLOOR, Cells
 from pfl_tasks.algorithms.learn2pfed_meta import (
-    client_metrics, evaluate, make_optimizer, meta_step, padded_problem, personalized_models, split_validation,
+    evaluate, make_optimizer, meta_step, padded_problem, personalized_models, split_validation,
     theta,
 )
 from pfl_tasks.config import load_params
-from pfl_tasks.selection import Selection, validation_score
+from pfl_tasks.selection import Selection
 from pfl_tasks.estimate import built_partition
 
 RESULTS = Path(__file__).parent / "results"
@@ -92,7 +93,7 @@ def one_run(cfg, form: str, train, supervise, select, val, test, seed: int) -> d
     opt, best = make_optimizer(cells, cfg.meta), Selection(higher_is_better=False)
 
     def offer(epoch: int, v: torch.Tensor, state: dict) -> None:
-        best.offer(epoch, validation_score({"val": {"personalized": client_metrics(select, v)}}, "regression"), state)
+        best.offer(epoch, selection_scores(select, v)[1], state)
 
     for epoch in range(cfg.meta.epochs):
         state = theta(cells)

@@ -23,10 +23,11 @@ import torch
 
 from bench.learn2pfed_authors import authors_data, clean_mse, split, stacked
 from bench.learn2pfed_options import problems
+from flows.learn2pfed import selection_scores
 from pfl_tasks.algorithms.learn2pfed import Cells
 from pfl_tasks.algorithms.learn2pfed_meta import client_metrics, make_optimizer, meta_step, personalized_models
 from pfl_tasks.config import Learn2pFedConfig, MetaOptimizer, load_params
-from pfl_tasks.selection import Selection, validation_score
+from pfl_tasks.selection import Selection
 
 DECAY = dict(decay_epoch=60, decay_lr=1e-3)
 SCHEDULES = {
@@ -39,24 +40,24 @@ TASKS = {"params.yaml": ["poly1"],
 
 
 def trajectory(cfg, fit, select, score, seed: int) -> dict:
-    """Validation (mean, SE) on `select` and `score(v)` of the Theta each meta-epoch starts from, and the last."""
+    """Validation (mean, and the `Score` the selection pairs) on `select` and `score(v)` of the Theta each meta-epoch starts from, and the last."""
     w0 = torch.zeros(fit.dim, dtype=torch.float64)
     cells = Cells(fit, cfg.cells, cfg.tied, cfg.init.model_dump(), torch.Generator().manual_seed(seed), cfg.lambda_)
-    opt, out = make_optimizer(cells, cfg.meta), {"val": [], "se": [], "test": []}
+    opt, out = make_optimizer(cells, cfg.meta), {"val": [], "score": [], "test": []}
     for epoch in range(cfg.meta.epochs + 1):
         v = meta_step(cells, opt, cfg, epoch, fit, fit, w0)[2] if epoch < cfg.meta.epochs else \
             personalized_models(cells, fit, w0, cfg)
         out["test"].append(score(v))
         if select is not None:
-            mean, se = validation_score({"val": {"personalized": client_metrics(select, v)}}, "regression")
-            out["val"].append(mean)
-            out["se"].append(se)
+            score = selection_scores(select, v)[1]
+            out["val"].append(score.mean)
+            out["score"].append(score)
     return out
 
 
 def selected(run: dict) -> int:
     selection = Selection(higher_is_better=False)
-    for epoch, score in enumerate(zip(run["val"], run["se"])):
+    for epoch, score in enumerate(run["score"]):
         selection.offer(epoch, score, None)
     return selection.index
 

@@ -1,6 +1,6 @@
-"""The selection rule against the argmax, on every run of the default benchmark's experiments,
-trained twice: under portable and under native numerics (the same tuning, data and code; only
-the rounding differs).
+"""The selection rule against the argmax and against the unpaired rule it replaced, on every run
+of the chosen experiments, trained twice: under portable and under native numerics (the same
+tuning, data and code; only the rounding differs).
 
   - regret: the test metric at the test-best evaluation minus that at the selected one (for MSE,
     the other way round), per run: a diagnostic of how far validation leads from test, reported,
@@ -8,13 +8,18 @@ the rounding differs).
   - stability: how far the selected test metric moves, and how often the selected round does,
     between the two numerics: what rounding alone does to a reported number.
 
-The rule is `pfl_tasks.selection.SELECTION_RULE` (the run's recorded selection); the argmax is
-the best mean validation metric over the run's evaluations (the earliest of ties).
+The rule is `pfl_tasks.selection.SELECTION_RULE` (the run's recorded selection); the unpaired
+rule is the same rule with the standard error of a difference taken as if the two evaluations'
+rows were independent (each evaluation's own standard error, logged as `..._se`, combined), the
+rule before 2026-12-07; the argmax is the best mean validation metric over the run's evaluations
+(the earliest of ties). Experiments without a committed tuning file train at their configured
+values (the result names them).
 
     python -m bench.selection                      # mnist and poly1, about 25 minutes on 2 cores
     python -m bench.selection --experiments poly1  # a few minutes
+    python -m bench.selection --params params-extended.yaml --experiments poly1_scarce poly2_scarce poly3_scarce
 
-Writes bench/results/<date>-selection.{json,md}.
+Writes bench/results/<date>-selection.{json,md} (other experiments: <date>-selection-<experiments>.{json,md}).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import shutil
 import statistics
@@ -41,13 +47,23 @@ from pfl_tasks.runs import RunPaths
 from pfl_tasks.selection import SELECTION_RULE
 
 RESULTS = Path(__file__).parent / "results"
+RULES = ("rule", "unpaired", "argmax")
 RESTRICTIONS = ("MKL_ENABLE_INSTRUCTIONS", "ATEN_CPU_CAPABILITY")  # an older CPU's code paths, if set for the run
 
 
-def train(mode: str, root: Path, experiments: list[str]) -> None:
-    """The experiments' runs at their committed tuning, under `mode`, inline, into `root`."""
-    raw = yaml.safe_load((ROOT / "params.yaml").read_text())
-    raw["engine"].update(numerics=mode, orchestrator="inline")
+def untuned(params_file: Path, experiments: list[str]) -> list[str]:
+    """The experiments that `params_file` tunes but that have no committed tuning file."""
+    tuning = yaml.safe_load(params_file.read_text()).get("tuning") or {}
+    return [e for e in experiments if e in tuning and not (ROOT / "tuning" / f"{e}.json").exists()]
+
+
+def train(mode: str, root: Path, params_file: Path, experiments: list[str]) -> None:
+    """The experiments' runs at their committed tuning (or, without one, their configured
+    values), under `mode`, inline, into `root`."""
+    raw = yaml.safe_load(params_file.read_text())
+    for experiment in untuned(params_file, experiments):
+        del raw["tuning"][experiment]
+    raw.setdefault("engine", {}).update(numerics=mode, orchestrator="inline")
     raw["tracking"] = {"mlflow_uri": f"sqlite:///{root / 'mlflow.db'}"}
     root.mkdir(parents=True, exist_ok=True)
     (root / "params.yaml").write_text(yaml.safe_dump(raw))
@@ -63,9 +79,22 @@ def train(mode: str, root: Path, experiments: list[str]) -> None:
                        cwd=root, env=env, check=True)
 
 
+def unpaired(val: list[float], se: list[float]) -> int:
+    """The rule before pairing, replayed on a run's signed validation means (higher is better)
+    and their own standard errors: the latest evaluation short of the best by at most the two
+    standard errors combined as if independent."""
+    best = selected = 0
+    for i in range(len(val)):
+        if val[i] > val[best]:
+            best = selected = i
+        elif val[best] - val[i] <= math.hypot(se[best], se[i]):
+            selected = i
+    return selected
+
+
 def selections(root: Path, experiment: str) -> dict[str, dict]:
-    """run -> the rule's and the argmax's selected evaluation, and the test-best one, each with
-    its round and test metric."""
+    """run -> the rule's, the unpaired rule's and the argmax's selected evaluation, and the
+    test-best one, each with its round and test metric."""
     params = load_params(root / "params.yaml")
     exp = params.experiment(experiment)
     out = {}
@@ -77,7 +106,8 @@ def selections(root: Path, experiment: str) -> dict[str, dict]:
             sign = 1 if HIGHER_IS_BETTER[metric] else -1
             val = [sign * h[f"val/personalized/{metric}_mean"] for h in history]
             test = [h[f"test/personalized/{metric}_mean"] for h in history]
-            picks = {"rule": ckpt["selection"]["index"], "argmax": val.index(max(val)),
+            se = [h[f"val/personalized/{metric}_se"] for h in history]
+            picks = {"rule": ckpt["selection"]["index"], "unpaired": unpaired(val, se), "argmax": val.index(max(val)),
                      "test_best": max(range(len(test)), key=lambda i: (sign * test[i], -i))}
             out[f"{run}/seed{seed}"] = {"metric": metric, **{
                 name: {"round": history[i]["round"], "test": test[i]} for name, i in picks.items()}}
@@ -90,7 +120,7 @@ def summary(runs: dict[str, dict[str, dict]], experiment: str) -> dict:
     portable, native = runs["portable"], runs["native"]
     sign = 1 if HIGHER_IS_BETTER[next(iter(portable.values()))["metric"]] else -1
     out = {"experiment": experiment, "runs": len(portable)}
-    for rule in ("rule", "argmax"):
+    for rule in RULES:
         regret = [sign * (r["test_best"]["test"] - r[rule]["test"]) for r in portable.values()]
         relative = [g / abs(r["test_best"]["test"]) for g, r in zip(regret, portable.values())]
         moves = [abs(portable[k][rule]["test"] - native[k][rule]["test"]) for k in portable]
@@ -102,7 +132,11 @@ def summary(runs: dict[str, dict[str, dict]], experiment: str) -> dict:
 
 
 def markdown(result: dict) -> str:
-    lines = [f"# Selection rule against the argmax ({result['date']})", "", f"Rule: {SELECTION_RULE}.", "",
+    lines = [f"# Selection rule against the unpaired rule and the argmax ({result['date']})", "",
+             f"Rule: {SELECTION_RULE}. Unpaired: the same with each evaluation's own standard error, combined as "
+             "if independent (the rule before 2026-12-07). Argmax: the best mean validation metric.", "",
+             *([f"Trained at their configured values (no committed tuning file): {', '.join(result['untuned'])}.", ""]
+               if result.get("untuned") else []),
              "Regret: test at the test-best evaluation minus test at the selected one (MSE: the other way), "
              "per run, under portable numerics; a diagnostic, not a target. Move: the selected test metric's "
              "change between portable and native numerics (same tuning, data and code).", "",
@@ -110,29 +144,33 @@ def markdown(result: dict) -> str:
              "| move mean | move max | selected round moved |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for s in result["summary"]:
-        for rule in ("rule", "argmax"):
+        for rule in RULES:
             r = s[rule]
             lines.append(f"| {s['experiment']} | {s['runs']} | {rule} | {r['regret_mean']:.4g} | {r['regret_max']:.4g} "
                          f"| {r['relative_regret_mean']:.2%} | {r['relative_regret_max']:.2%} "
                          f"| {r['move_mean']:.4g} | {r['move_max']:.4g} | {r['rounds_moved']} of {s['runs']} |")
-    lines += ["", f"Command: `python -m bench.selection --experiments {' '.join(result['experiments'])}`"
+    params = "" if result["params"] == "params.yaml" else f" --params {result['params']}"
+    lines += ["", f"Command: `python -m bench.selection{params} --experiments {' '.join(result['experiments'])}`"
               + (f" with {result['environment']} set" if result.get("environment") else ""), ""]
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--params", default="params.yaml", help="the params file, relative to the project")
     parser.add_argument("--experiments", nargs="+", default=["mnist", "poly1"])
     parser.add_argument("--workdir", type=Path, help="train here and keep it (default: a temporary folder)")
     args = parser.parse_args(argv)
     work = args.workdir or Path(tempfile.mkdtemp(prefix="selection-"))
     for mode in NUMERICS:
-        train(mode, work / mode, args.experiments)
-    result = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "experiments": args.experiments,
+        train(mode, work / mode, ROOT / args.params, args.experiments)
+    result = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "params": args.params,
+              "experiments": args.experiments, "untuned": untuned(ROOT / args.params, args.experiments),
               "environment": " ".join(f"{k}={os.environ[k]}" for k in RESTRICTIONS if k in os.environ),
               "runs": {e: {mode: selections(work / mode, e) for mode in NUMERICS} for e in args.experiments}}
     result["summary"] = [summary(result["runs"][e], e) for e in args.experiments]
-    stem = RESULTS / f"{datetime.date.today()}-selection"
+    suffix = "" if args.experiments == ["mnist", "poly1"] else "-" + "-".join(args.experiments)
+    stem = RESULTS / f"{datetime.date.today()}-selection{suffix}"
     stem.with_suffix(".json").write_text(json.dumps(result, indent=1))
     stem.with_suffix(".md").write_text(markdown(result))
     print(markdown(result))

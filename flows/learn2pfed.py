@@ -47,7 +47,7 @@ from prefect.cache_policies import NO_CACHE
 
 from flows.stage import check_prefect_api, prefect_api, stage_main, stage_name
 from pfl_tasks.algorithms import build, source_file, validate_params
-from pfl_tasks.algorithms.learn2pfed import Cells
+from pfl_tasks.algorithms.learn2pfed import Cells, Problem
 from pfl_tasks.algorithms.learn2pfed_meta import (
     HELD_OUT_HALF, client_metrics, costs, evaluate, make_optimizer, meta_step, padded_problem, participation,
     participation_table, personalized_models, split_validation, theta,
@@ -65,7 +65,7 @@ from pfl_tasks.outputs import write_client_tables, write_csv
 from pfl_tasks.reports import PARTICIPATION_CSV, participation_figure_of, save_figure
 from pfl_tasks.runs import Run, RunPaths
 from pfl_tasks.engine.evaluate import HIGHER_IS_BETTER
-from pfl_tasks.selection import PRIMARY, Selection, final_metrics, summarize_eval, validation_score
+from pfl_tasks.selection import PRIMARY, Score, Selection, final_metrics, summarize_eval, validation_score
 from pfl_tasks.tracking import flatten, open_store, run_tags, tracking_uri
 from pfl_tasks.training import finished
 from pfl_tasks.tuning import tuned
@@ -186,15 +186,20 @@ def build_problems(exp, params, cfg: Learn2pFedConfig, supervision: str, root: P
     return Problems(train, supervise, select, test, w0, upstream, data.manifest_hash, data.partition, data.client_names)
 
 
-def selection_scores(problems: Problems, v: torch.Tensor) -> tuple[dict[str, float], tuple[float, float]]:
-    """The personalized models' `val/personalized/...` aggregates on the selection rows, and
-    their `validation_score` (what `Selection` is offered)."""
-    metrics = {"val": {"personalized": client_metrics(problems.select, v)}}
-    return summarize_eval(metrics), validation_score(metrics, task_of(problems))
+def selection_scores(select: Problem, v: torch.Tensor) -> tuple[dict[str, float], Score]:
+    """The personalized models' `val/personalized/...` aggregates on the selection rows
+    `select`, and their `validation_score` (what `Selection` is offered)."""
+    personalized = client_metrics(select, v, by_row=True)
+    rows = personalized.pop("rows")
+    metrics = {"val": {"personalized": personalized}}
+    return summarize_eval(metrics), validation_score(metrics, TASK[bool(select.n_classes)], rows)
+
+
+TASK = {True: "classification", False: "regression"}  # by whether the problem has classes
 
 
 def task_of(problems: Problems) -> str:
-    return "classification" if problems.test.n_classes else "regression"
+    return TASK[bool(problems.test.n_classes)]
 
 
 @task(**TASK_OPTIONS, task_run_name="meta-epochs-{start}-{stop}")
@@ -205,7 +210,7 @@ def meta_epochs(cells, opt, cfg, problems: Problems, start: int, stop: int, sele
     for epoch in range(start, stop):
         state = theta(cells)
         loss, fit_loss, v = meta_step(cells, opt, cfg, epoch, problems.train, problems.supervise, problems.w0)
-        scores, score = selection_scores(problems, v)
+        scores, score = selection_scores(problems.select, v)
         selection.offer(epoch, score, state)
         out.append({"epoch": epoch, "meta/loss": loss, "meta/fit_loss": fit_loss, **scores})
     return out
@@ -265,7 +270,9 @@ def learn2pfed_flow(experiment: str, supervision: str, seed: int, params_path: s
                 cells.load_state_dict(run.resumed["cells"])
                 opt.load_state_dict(run.resumed["optimizer"])
                 history = run.resumed["history"]
-                selection = Selection(**run.resumed["selection"])
+                selection = Selection.from_dict(run.resumed["selection"])
+            except CheckpointError as err:
+                raise CheckpointError(f"{paths.checkpoint}: {err}") from None
             except (KeyError, TypeError, ValueError, RuntimeError) as err:
                 raise CheckpointError(f"{paths.checkpoint}: not this run's state ({first_line(err)})") from None
             print(f"{run.label}: resuming from meta-epoch {len(history)}")
@@ -301,7 +308,7 @@ def learn2pfed_flow(experiment: str, supervision: str, seed: int, params_path: s
             return run.diverged(*diverged, [])
 
         epochs = cfg.meta.epochs  # the last Theta, after every step, is a candidate too
-        selection.offer(epochs, selection_scores(problems, personalized_models(cells, problems.train, problems.w0, cfg))[1],
+        selection.offer(epochs, selection_scores(problems.select, personalized_models(cells, problems.train, problems.w0, cfg))[1],
                         theta(cells))
         selected = copy.deepcopy(cells)
         selected.load_state_dict(selection.state)
@@ -314,6 +321,10 @@ def learn2pfed_flow(experiment: str, supervision: str, seed: int, params_path: s
         final = {**final_metrics(evaluations, 0), key: evaluations[1][key]}
         final.update({"meta/loss_first": history[0]["meta/loss"], "meta/loss_last": history[-1]["meta/loss"],
                       "meta/fit_loss_last": history[-1]["meta/fit_loss"]})
+        # the untrained Theta's test score: what the meta-training is measured against (reported, never selected on)
+        untrained = evaluate(initial_cells(), problems.train, problems.test, problems.w0, cfg)
+        final.update({f"initial/{k}": v for k, v in summarize_eval({"test": untrained}).items()
+                      if k.endswith(f"/{metric}_mean")})
         lam = participation(selected)
         final["participation/lam_mean"] = lam.mean().item()
         if lam.shape[-1] <= 16:  # per coordinate, for the interpretable regression tasks

@@ -8,10 +8,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from pfl_tasks.config import PlateauRule
 from pfl_tasks.engine.evaluate import HIGHER_IS_BETTER, NOISE_ONLY, summarize
+from pfl_tasks.errors import CheckpointError
 
 PRIMARY = {"classification": "acc", "regression": "mse"}
 
@@ -44,32 +46,65 @@ def tracked_series(record: dict) -> dict:
 
 SELECTION_RULE = (
     "the latest evaluation whose mean validation metric is not worse than the best evaluation's beyond one "
-    "standard error of their difference (the clients' validation rows' sampling noise)")
+    "standard error of their difference on the same validation rows (paired)")
 
 
-def validation_score(metrics: dict[str, dict[str, dict[str, torch.Tensor]]], task: str) -> tuple[float, float] | None:
-    """(the personalized mean over clients of the task's primary validation metric, its standard
-    error from each client's validation rows: a row's accuracy is a Bernoulli draw, a row's squared
-    error spreads as `mse_sq` says), or None without a validation split."""
+@dataclass
+class Score:
+    """An evaluation's validation score: the personalized mean over clients of the task's
+    primary metric, its standard error from the rows' sampling noise (as if alone: what MLflow
+    logs as `..._se`), and, to pair it with another evaluation on the same rows, each row's
+    own metric (client after client) and each client's row count."""
+
+    mean: float
+    se: float
+    rows: torch.Tensor | None = None
+    counts: torch.Tensor | None = None
+
+
+def validation_score(metrics: dict[str, dict[str, dict[str, torch.Tensor]]], task: str,
+                     rows: torch.Tensor | None = None) -> Score | None:
+    """The `Score` of per-client metrics (with their per-row metric `rows`, if given): a row's
+    accuracy is a Bernoulli draw, a row's squared error spreads as `mse_sq` says. None without a
+    validation split."""
     if "val" not in metrics:
         return None
     val = metrics["val"]["personalized"]
     n, value = val["n"].double(), val[PRIMARY[task]].double()
     spread = value * (1 - value) if task == "classification" else val["mse_sq"].double() - value**2
-    return value.mean().item(), math.sqrt((spread.clamp(min=0) / n.clamp(min=1)).sum().item()) / len(value)
+    se = math.sqrt((spread.clamp(min=0) / n.clamp(min=1)).sum().item()) / len(value)
+    return Score(value.mean().item(), se, rows, None if rows is None else val["n"].round().long())
 
 
-def within_noise(best: tuple[float, float], other: tuple[float, float], higher_is_better: bool) -> bool:
-    """Whether `other` (mean, standard error) falls short of `best` by at most the standard error
-    of their difference (as if independent: the same rows make it smaller, so this errs late)."""
-    shortfall = (best[0] - other[0]) * (1 if higher_is_better else -1)
-    return shortfall <= math.hypot(best[1], other[1])
+def paired_se(a: Score, b: Score) -> float:
+    """The standard error of the difference of two scores on the same validation rows: each
+    client's mean row difference has the spread of its rows' differences over its row count, and
+    the score is the mean over clients. Rows two models get equally right cost no noise."""
+    diff = a.rows.double() - b.rows.double()
+    n = a.counts.double()
+    owner = torch.repeat_interleave(torch.arange(len(n)), a.counts)
+    mean = torch.zeros_like(n).index_add_(0, owner, diff) / n.clamp(min=1)
+    square = torch.zeros_like(n).index_add_(0, owner, diff * diff) / n.clamp(min=1)
+    return math.sqrt(((square - mean**2).clamp(min=0) / n.clamp(min=1)).sum().item()) / len(n)
+
+
+def paired_se_over(a: dict[int, np.ndarray], b: dict[int, np.ndarray]) -> float | None:
+    """The standard error of the mean difference of two results' per-client metrics, paired over
+    the seeds (keys) and clients both have; None with fewer than two pairs."""
+    diff = np.concatenate([a[seed] - b[seed] for seed in sorted(a.keys() & b.keys())] or [np.empty(0)])
+    return None if len(diff) < 2 else float(np.std(diff, ddof=1) / math.sqrt(len(diff)))
+
+
+def within_noise(shortfall: float, se: float) -> bool:
+    """Whether falling short of the best by `shortfall` (positive: worse) is within the
+    standard error `se` of the difference."""
+    return shortfall <= se
 
 
 @dataclass
 class Selection:
     """The evaluation (a round, a meta-epoch) selected on validation by `SELECTION_RULE`, offered
-    one after another with its `validation_score`: the best mean is tracked, and an evaluation
+    one after another with its `Score`: the best score is kept, rows and all, and an evaluation
     within noise of it is selected over the earlier ones, so the rule needs no look back (the
     selection after n offers is the one before or the n-th). `state`: what the caller keeps of
     the selected evaluation. Without a validation score, the latest is selected."""
@@ -77,23 +112,31 @@ class Selection:
     higher_is_better: bool
     index: int = -1
     best_index: int = -1
-    best: tuple[float, float] | None = None  # the best evaluation's (mean, standard error)
+    best: Score | None = None
     state: object = None
 
-    def offer(self, index: int, score: tuple[float, float] | None, state: object = None) -> bool:
+    def offer(self, index: int, score: Score | None, state: object = None) -> bool:
         """Whether evaluation `index`, with validation `score`, is now the selected one."""
         if score is not None:
             sign = 1 if self.higher_is_better else -1
-            if self.best is None or sign * score[0] > sign * self.best[0]:
-                self.best, self.best_index = tuple(score), index
-            elif not within_noise(self.best, score, self.higher_is_better):
+            if self.best is None or sign * score.mean > sign * self.best.mean:
+                self.best, self.best_index = score, index
+            elif not within_noise(sign * (self.best.mean - score.mean), paired_se(self.best, score)):
                 return False
         self.index, self.state = index, state
         return True
 
     def as_dict(self) -> dict:
         return {"higher_is_better": self.higher_is_better, "index": self.index, "best_index": self.best_index,
-                "best": self.best, "state": self.state}
+                "best": None if self.best is None else vars(self.best), "state": self.state}
+
+    @classmethod
+    def from_dict(cls, saved: dict) -> Selection:
+        """The selection `as_dict` saved; refused, in one line, from before the paired rule."""
+        best = saved["best"]
+        if best is not None and not isinstance(best, dict):
+            raise CheckpointError("written before the paired selection rule; rerun with --on-config-change restart")
+        return cls(**{**saved, "best": None if best is None else Score(**best)})
 
 
 def final_metrics(history: list[dict], selected: int) -> dict[str, float]:

@@ -157,11 +157,11 @@ def train_run(
             history, tables, spent, skipped = [], {}, dict.fromkeys(COSTS, 0), 0
             selection = Selection(HIGHER_IS_BETTER[PRIMARY[data.task]])
         else:
-            if "selection" not in ckpt:
-                raise CheckpointError(f"{paths.checkpoint}: written before the noise-aware selection rule; "
-                                      "rerun with --on-config-change restart")
-            selection = Selection(**ckpt["selection"])
             try:
+                if "selection" not in ckpt:
+                    raise CheckpointError("written before the noise-aware selection rule; "
+                                          "rerun with --on-config-change restart")
+                selection = Selection.from_dict(ckpt["selection"])
                 with GLOBAL_RNG:
                     state = fed.restore(ckpt["round"], ckpt["server"], ckpt["clients"])
             except CheckpointError as err:
@@ -202,9 +202,9 @@ def train_run(
                 return f"{broken} is not finite after round {done}"
             if done % fedcfg.eval_every == 0 or done == fedcfg.rounds:
                 evaluation = steps.evaluate(fed, done, state)
-                score = validation_score(evaluation.metrics, data.task)
+                score = validation_score(evaluation.metrics, data.task, evaluation.val_rows)
                 history.append({"round": done, **summarize_eval(evaluation.metrics), **spent,
-                                **({} if score is None else {f"val/personalized/{PRIMARY[data.task]}_se": score[1]}),
+                                **({} if score is None else {f"val/personalized/{PRIMARY[data.task]}_se": score.se}),
                                 "compute/eval_grad_samples": evaluation.grad_samples,
                                 "rounds/skipped": skipped, **fed.algorithm.round_metrics(state.server)})
                 tables["last"] = evaluation.metrics

@@ -132,7 +132,7 @@ def test_evaluation_runs_once_per_distinct_view(digits6, algorithm, views):
     """FedAvg's personalized model is its global one: evaluated once per split, reported for both."""
     fed, state = run(digits6, algorithm, "vectorized", rounds=1, hp={})
     calls, original = [], fed._eval
-    fed._eval = lambda *args: calls.append(1) or original(*args)
+    fed._eval = lambda *args, **kwargs: calls.append(1) or original(*args, **kwargs)
     result = fed.evaluate(state).metrics
     assert len(calls) == 2 * views * len(fed.chunks(torch.arange(6)))
     assert len(result["val"]["personalized"]["acc"]) == len(result["test"]["personalized"]["acc"]) == 6

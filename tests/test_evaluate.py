@@ -4,8 +4,10 @@ import torch
 from conftest import split_from
 from pfl_tasks.engine.evaluate import evaluate_clients, summarize
 from pfl_tasks.config import PlateauRule
+from pfl_tasks.errors import CheckpointError
 from pfl_tasks.selection import (
-    SPREAD, Selection, final_metrics, plateau, summarize_eval, tracked_series, validation_score, within_noise,
+    SPREAD, Score, Selection, final_metrics, paired_se, plateau, summarize_eval, tracked_series, validation_score,
+    within_noise,
 )
 from torch import nn
 
@@ -97,58 +99,120 @@ def test_final_and_selected_metrics_come_from_the_last_and_the_selected_evaluati
     assert final["final/test/personalized/acc_mean"] == 0.9 and final["selected/test/personalized/acc_mean"] == 0.6
 
 
-def selected(scores: list[tuple[float, float]], higher_is_better: bool = True) -> int:
+def score(rows: list[list[float]]) -> Score:
+    """The `Score` of clients' per-row metrics (its own standard error unused by the rule)."""
+    flat = torch.tensor([v for client in rows for v in client])
+    return Score(sum(sum(c) / len(c) for c in rows) / len(rows), 0.0, flat, torch.tensor([len(c) for c in rows]))
+
+
+def selected(scores: list[Score], higher_is_better: bool = True) -> int:
     selection = Selection(higher_is_better)
-    for i, score in enumerate(scores):
-        selection.offer(i, score)
+    for i, one in enumerate(scores):
+        selection.offer(i, one)
     return selection.index
 
 
-def mirrored(scores):
-    return [(-mean, se) for mean, se in scores]
+def flipped(rows: list[list[float]], wrong: int, right: int = 0) -> list[list[float]]:
+    """Each client's rows with its first `wrong` hits missed and its first `right` misses hit."""
+    out = []
+    for client in rows:
+        client, hits, misses = list(client), [i for i, v in enumerate(client) if v], [i for i, v in enumerate(client) if not v]
+        for i in hits[:wrong]:
+            client[i] = 0.0
+        for i in misses[:right]:
+            client[i] = 1.0
+        out.append(client)
+    return out
 
 
-def test_a_later_evaluation_within_the_validation_noise_of_the_best_is_selected_over_it():
-    """Round 2 falls short of round 1's best mean by 0.01, less than the standard error of their
-    difference (0.028): noise, so the later round stands, where the argmax takes round 1. MSE
-    mirrors it."""
-    rounds = [(0.70, 0.01), (0.80, 0.02), (0.79, 0.02)]
-    assert selected(rounds) == 2
-    assert selected(mirrored(rounds), higher_is_better=False) == 2
+def negated(rows: list[list[float]]) -> list[list[float]]:
+    return [[-v for v in client] for client in rows]
 
 
-def test_an_earlier_evaluation_better_beyond_the_noise_is_kept():
-    """A shortfall of 0.02 against a standard error of 0.007: round 1 is better, round 2 is not
-    selected; without noise (0 standard errors) the rule is the argmax."""
-    rounds = [(0.70, 0.005), (0.80, 0.005), (0.78, 0.005)]
-    assert selected(rounds) == 1
-    assert selected(mirrored(rounds), higher_is_better=False) == 1
-    assert selected([(0.5, 0.0), (0.6, 0.0), (0.5999, 0.0)]) == 1
+BEST = [[1.0] * 80 + [0.0] * 20, [1.0] * 80 + [0.0] * 20]  # two clients, 100 validation rows each, 0.8
 
 
-def test_noisy_validation_that_makes_the_argmax_pick_the_untrained_start_does_not_fool_the_rule():
-    """A meta-training whose validation MSE moves by less than its noise (0.01): the argmax
-    picks epoch 0, the untrained start, on a difference of 0.001; the rule keeps the trained
-    Theta of the last epoch."""
-    epochs = [(0.500, 0.01), (0.505, 0.01), (0.503, 0.01), (0.502, 0.01), (0.501, 0.01)]
-    assert min(range(5), key=lambda i: epochs[i][0]) == 0  # the argmax's pick
-    assert selected(epochs, higher_is_better=False) == 4
+def test_the_noise_of_a_difference_is_paired_on_the_rows_by_hand():
+    """Two clients: client 0's rows differ by (1, 0, 0, -1), client 1's by (0, 0, 1); the
+    standard error of the difference of the client means is sqrt(sum of var_c / n_c) / 2, with
+    var_c each client's spread of its row differences."""
+    a, b = score([[1, 1, 0, 0], [1, 0, 1]]), score([[0, 1, 0, 1], [1, 0, 0]])
+    var = (0.5 / 4, (1 / 3 - 1 / 9) / 3)
+    assert paired_se(a, b) == pytest.approx(sum(var) ** 0.5 / 2)
+    assert paired_se(a, a) == 0  # rows two models get equally right cost no noise
+
+
+def test_a_shortfall_that_is_noise_on_unpaired_rows_is_real_on_the_same_rows():
+    """A later evaluation that misses 3 rows of each client the best got right, and gets nothing
+    else differently, is 0.03 short: within an unpaired band (0.04: two accuracies of 0.8 on 200
+    rows), beyond the paired one (0.012): the best is kept."""
+    later = flipped(BEST, wrong=3)
+    unpaired = 2 ** 0.5 * (2 * 0.8 * 0.2 / 100) ** 0.5 / 2
+    shortfall = score(BEST).mean - score(later).mean
+    assert shortfall == pytest.approx(0.03) and paired_se(score(BEST), score(later)) < shortfall < unpaired
+    assert selected([score(flipped(BEST, wrong=10)), score(BEST), score(later)]) == 1
+    assert selected([score(negated(r)) for r in (flipped(BEST, wrong=10), BEST, later)], higher_is_better=False) == 1
+
+
+def test_a_later_evaluation_that_differs_from_the_best_by_noise_is_selected_over_it():
+    """A later evaluation that misses 4 of the best's hits and hits 3 of its misses per client is
+    0.01 short, against a paired standard error of 0.019: noise, so the later one stands where
+    the argmax keeps the earlier. MSE mirrors it."""
+    later = flipped(BEST, wrong=4, right=3)
+    shortfall = score(BEST).mean - score(later).mean
+    assert shortfall == pytest.approx(0.01) and shortfall < paired_se(score(BEST), score(later))
+    assert selected([score(flipped(BEST, wrong=10)), score(BEST), score(later)]) == 2
+    assert selected([score(negated(r)) for r in (flipped(BEST, wrong=10), BEST, later)], higher_is_better=False) == 2
 
 
 def test_the_selection_offered_one_at_a_time_is_the_latest_evaluation_within_noise_of_the_best():
     """The rule needs no look back: after every offer, the selection equals the definition
-    applied to all evaluations so far (random curves, both directions)."""
+    applied to all evaluations so far (random row metrics, both directions)."""
     gen = torch.Generator().manual_seed(0)
-    for trial in range(200):
+    for trial in range(100):
         higher, sign = trial % 2 == 0, 1 if trial % 2 == 0 else -1
-        curve = [(float(m), float(se)) for m, se in zip(torch.rand(12, generator=gen) * 0.1 + torch.linspace(0, 0.05, 12),
-                                                        torch.rand(12, generator=gen) * 0.02)]
+        base = (torch.rand(2, 30, generator=gen) < 0.7).float()
+        curve = []
+        for _ in range(10):
+            flips = torch.rand(2, 30, generator=gen) < 0.1
+            rows = torch.where(flips, 1 - base, base) * sign
+            curve.append(score(rows.tolist()))
         selection = Selection(higher)
-        for n, score in enumerate(curve, 1):
-            selection.offer(n - 1, score)
-            best = max(range(n), key=lambda i: (sign * curve[i][0], -i))
+        for n, one in enumerate(curve, 1):
+            selection.offer(n - 1, one)
+            best = max(range(n), key=lambda i: (sign * curve[i].mean, -i))
             assert selection.best_index == best
-            assert selection.index == max(i for i in range(n) if within_noise(curve[best], curve[i], higher))
+            assert selection.index == max(i for i in range(n) if within_noise(
+                sign * (curve[best].mean - curve[i].mean), paired_se(curve[best], curve[i])))
+
+
+def test_a_selection_saved_before_the_paired_rule_is_refused_in_one_line():
+    saved = Selection(True)
+    saved.offer(0, score(BEST))
+    assert Selection.from_dict(saved.as_dict()).best.rows.equal(score(BEST).rows)
+    with pytest.raises(CheckpointError, match="written before the paired selection rule"):
+        Selection.from_dict({**saved.as_dict(), "best": (0.8, 0.01)})
+
+
+@pytest.mark.parametrize("stacked", [False, True])
+@pytest.mark.parametrize("task", ["classification", "regression"])
+def test_each_row_s_metric_comes_client_after_client_and_averages_to_its_client_s(stacked, task):
+    gen = torch.Generator().manual_seed(1)
+    sizes = (5, 9, 3)
+    xs = [torch.randn(n, 3, generator=gen) for n in sizes]
+    ys = [torch.randint(0, 4, (n,), generator=gen) if task == "classification" else torch.randn(n, generator=gen)
+          for n in sizes]
+    net = nn.Linear(3, 4 if task == "classification" else 1)
+    one = {k: v.detach() for k, v in net.named_parameters()}
+    params = {k: v.expand(3, *v.shape).clone() for k, v in one.items()} if stacked else one
+    metrics = evaluate_clients(net, task, split_from(xs, ys), torch.arange(3), params, stacked=stacked, by_row=True)
+    rows = metrics["rows"].split(list(sizes))
+    primary = metrics["acc" if task == "classification" else "mse"]
+    assert torch.stack([r.mean() for r in rows]) == pytest.approx(primary, rel=1e-6)
+    for x, y, r in zip(xs, ys, rows):  # each row its own model's metric, in the client's order
+        out = net(x)
+        expected = (out.argmax(-1) == y).float() if task == "classification" else (out.squeeze(-1) - y) ** 2
+        assert r == pytest.approx(expected.detach(), rel=1e-5)
 
 
 def test_the_validation_noise_is_the_sampling_noise_of_the_clients_rows():
@@ -156,14 +220,16 @@ def test_the_validation_noise_is_the_sampling_noise_of_the_clients_rows():
     errors, which `evaluate_clients` returns as mse_sq. The standard error of the client mean is
     sqrt(sum of var_c / n_c) / clients, checked against the rows by hand."""
     acc = {"val": {"personalized": {"n": torch.tensor([4.0, 10.0]), "acc": torch.tensor([0.75, 0.5])}}}
-    mean, se = validation_score(acc, "classification")
+    one = validation_score(acc, "classification")
+    mean, se = one.mean, one.se
     assert mean == pytest.approx(0.625) and se == pytest.approx((0.75 * 0.25 / 4 + 0.25 / 10) ** 0.5 / 2)
     gen = torch.Generator().manual_seed(0)
     xs, ys = [torch.randn(n, 3, generator=gen) for n in (5, 9)], [torch.randn(n, generator=gen) for n in (5, 9)]
     net = nn.Linear(3, 1)
     params = {k: v.detach() for k, v in net.named_parameters()}
     metrics = evaluate_clients(net, "regression", split_from(xs, ys), torch.arange(2), params, stacked=False)
-    mean, se = validation_score({"val": {"personalized": metrics}}, "regression")
+    one = validation_score({"val": {"personalized": metrics}}, "regression")
+    mean, se = one.mean, one.se
     errors = [((net(x).squeeze(-1) - y) ** 2).detach().double() for x, y in zip(xs, ys)]
     assert mean == pytest.approx(sum(e.mean().item() for e in errors) / 2, rel=1e-5)
     assert se == pytest.approx(sum(e.var(unbiased=False).item() / len(e) for e in errors) ** 0.5 / 2, rel=1e-4)

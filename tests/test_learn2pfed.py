@@ -363,7 +363,7 @@ def test_the_meta_epoch_is_selected_on_validation_never_test():
     selected = Cells(train, l2p.cells, l2p.tied, l2p.init.model_dump(), torch.Generator().manual_seed(1))
     selected.load_state_dict(selection.state)
     v = personalized_models(selected, train, problems.w0, l2p)
-    assert selection_scores(problems, v)[0][key] == scores[selection.index]  # the kept Theta is the one scored
+    assert selection_scores(problems.select, v)[0][key] == scores[selection.index]  # the kept Theta is the one scored
     scrambled = replace(test, y=torch.randn(test.y.shape, generator=torch.Generator().manual_seed(3),
                                              dtype=test.y.dtype))
     again, selection_again, _, _ = run(scrambled)

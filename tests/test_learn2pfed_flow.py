@@ -49,6 +49,8 @@ def test_learn2pfed_head_on_upstream_body_resumes_and_lands_in_the_table(project
         (straight / sub).symlink_to(project / sub)
     fresh = learn2pfed_flow("tiny", "val", 0, path, str(straight))
     assert resumed == fresh  # resume is exact: same losses, same metrics
+    # the untrained Theta's test score, beside the selected one: the same after 8 meta-epochs as after 12
+    assert resumed["initial/test/personalized/acc_mean"] == first["initial/test/personalized/acc_mean"]
 
     write_tables(path, str(project))
     table = (project / "reports/markdown/tiny.md").read_text()

@@ -81,8 +81,14 @@ class Problem:
         return (losses * losses * self.mask).sum(1) / self.mask.sum(1)
 
     def accuracy(self, v: torch.Tensor) -> torch.Tensor:
-        correct = (self._logits(v).argmax(1) == self.y).to(self.mask.dtype)
-        return (correct * self.mask).sum(1) / self.mask.sum(1)
+        return (self._hits(v) * self.mask).sum(1) / self.mask.sum(1)
+
+    def per_row(self, v: torch.Tensor) -> torch.Tensor:
+        """Each real row's own primary metric (a hit, 1 or 0; a squared error), client after client."""
+        return (self._losses(v) if self.n_classes == 0 else self._hits(v))[self.mask.bool()]
+
+    def _hits(self, v: torch.Tensor) -> torch.Tensor:
+        return (self._logits(v).argmax(1) == self.y).to(self.mask.dtype)
 
     def _logits(self, v: torch.Tensor) -> torch.Tensor:
         """[M, classes, n]: classes before rows, so that the log-sum-exp over classes runs along

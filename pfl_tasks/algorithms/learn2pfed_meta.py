@@ -74,8 +74,9 @@ def split_validation(problem: Problem) -> tuple[Problem, Problem, list[int]]:
     return replace(problem, mask=fit), replace(problem, mask=select), torch.nonzero(single).flatten().tolist()
 
 
-def client_metrics(problem: Problem, v: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Each client's model v_i scored on its rows of `problem`, in the engine's format."""
+def client_metrics(problem: Problem, v: torch.Tensor, by_row: bool = False) -> dict[str, torch.Tensor]:
+    """Each client's model v_i scored on its rows of `problem`, in the engine's format (with
+    `by_row`, each row's too: `engine.evaluate.evaluate_clients`'s `rows`)."""
     with torch.no_grad():
         metrics = {"n": problem.mask.sum(1).float()}
         loss = problem.per_client_loss(v).float()
@@ -83,6 +84,8 @@ def client_metrics(problem: Problem, v: torch.Tensor) -> dict[str, torch.Tensor]
             metrics.update(loss=loss, acc=problem.accuracy(v).float())
         else:
             metrics.update(mse=loss, mse_sq=problem.per_client_loss_square(v).float())
+        if by_row:
+            metrics["rows"] = problem.per_row(v).float()
     return metrics
 
 

@@ -21,7 +21,7 @@ SAMPLE_BLOCK = 512  # test rows per client per forward pass: bounds memory for b
 def evaluate_clients(
     net: nn.Module, task: str, test: ClientSplit, client_ids: torch.Tensor, params: Tree,
     stacked: bool, forward: Callable[[nn.Module, Tree, torch.Tensor], torch.Tensor] | None = None,
-    variants: int = 0,
+    variants: int = 0, by_row: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Per-client test metrics for `client_ids`, as tensors [K]: n, and loss and accuracy
     (classification) or mse and mse_sq, the mean of the rows' squared errors squared, whose
@@ -29,7 +29,9 @@ def evaluate_clients(
     one shared model; `forward(net, params, x)` gives one client's outputs (default: the net itself). `test`
     holds its samples on the device, its offsets and counts (and `client_ids`) on the host.
     With `variants` V, `forward` gives V outputs of each row, [V, rows, ...] (V candidates of a
-    client's model scored in one pass), and loss, accuracy or mse are [V, K]."""
+    client's model scored in one pass), and loss, accuracy or mse are [V, K]. With `by_row` (no
+    variants), also `rows`: each row's own primary metric (a hit, 1 or 0; a squared error), the
+    clients' rows one client after another (what `selection.paired_se` pairs evaluations on)."""
     device = test.x.device
     client_ids = client_ids.cpu()
     k, host_counts = len(client_ids), test.counts[client_ids]
@@ -37,11 +39,13 @@ def evaluate_clients(
     loss_sum = torch.zeros(max(variants, 1), k, device=device)
     square_sum = torch.zeros(max(variants, 1), k, device=device)
     correct = torch.zeros(max(variants, 1), k, device=device)
+    per_row = torch.zeros(int(host_counts.sum()) if by_row else 0, device=device)
 
     def client_outputs(p, x):
         return forward(net, p, x) if forward else functional_call(net, p, (x,))
 
-    def add(owner: torch.Tensor, outs: list[torch.Tensor], y: torch.Tensor, valid: torch.Tensor | None = None) -> None:
+    def add(owner: torch.Tensor, outs: list[torch.Tensor], y: torch.Tensor, at: torch.Tensor,
+            valid: torch.Tensor | None = None) -> None:
         for out, loss_of, square_of, correct_of in zip(outs, loss_sum, square_sum, correct):  # a variant's rows at a time
             losses = per_sample_loss(task, out, y)
             hits = out.argmax(-1) == y if task == "classification" else None
@@ -52,6 +56,9 @@ def evaluate_clients(
                 correct_of.index_add_(0, owner, hits.to(correct.dtype))
             else:
                 square_of.index_add_(0, owner, losses * losses)
+            if by_row:
+                kept = slice(None) if valid is None else valid
+                per_row[at[kept]] = (losses if hits is None else hits.to(per_row.dtype))[kept]
 
     if not stacked:  # one model: every client's rows, unpadded, SAMPLE_BLOCK x K at a time
         owner = torch.repeat_interleave(torch.arange(k), host_counts)
@@ -61,9 +68,10 @@ def evaluate_clients(
         for block in torch.arange(len(owner), device=device).split(SAMPLE_BLOCK * k):
             rows = up["rows"][block]
             out = client_outputs(params, take(test.x, rows))
-            add(up["owner"][block], list(out) if variants else [out], take(test.y, rows))
+            add(up["owner"][block], list(out) if variants else [out], take(test.y, rows), block)
     else:  # a model per client: their rows padded to the longest, SAMPLE_BLOCK at a time
         batched, owner = vmap(client_outputs), torch.arange(k, device=device)[:, None]
+        first = (torch.cumsum(counts, 0) - counts)[:, None]
         longest = int(host_counts.max())
         for start in range(0, longest, SAMPLE_BLOCK):
             width = min(SAMPLE_BLOCK, longest - start)
@@ -72,13 +80,14 @@ def evaluate_clients(
             rows = torch.where(valid, offsets[:, None] + pos, offsets[:, None])
             out = batched(params, take(test.x, rows))
             outs = [out[:, v].flatten(0, 1) for v in range(variants)] if variants else [out.flatten(0, 1)]
-            add(owner.expand(k, width).flatten(), outs, take(test.y, rows).flatten(), valid.flatten())
+            add(owner.expand(k, width).flatten(), outs, take(test.y, rows).flatten(), (first + pos).flatten(),
+                valid.flatten())
     n = counts.to(loss_sum.dtype)
     if not variants:
         loss_sum, square_sum, correct = loss_sum[0], square_sum[0], correct[0]
-    if task == "classification":
-        return to_host({"n": n, "loss": loss_sum / n, "acc": correct / n})
-    return to_host({"n": n, "mse": loss_sum / n, "mse_sq": square_sum / n})
+    out = {"n": n, "loss": loss_sum / n, "acc": correct / n} if task == "classification" else \
+        {"n": n, "mse": loss_sum / n, "mse_sq": square_sum / n}
+    return to_host({**out, **({"rows": per_row} if by_row else {})})
 
 
 HIGHER_IS_BETTER = {"acc": True, "loss": False, "mse": False}

@@ -224,13 +224,16 @@ class Federation:
             params, stacked, cost = self.personalized_models(state, ids)
             grad_samples += cost
             for split, parts in out.items():
-                personal = self._eval(split, ids, params, stacked, self.algorithm.forward)
+                personal = self._eval(split, ids, params, stacked, self.algorithm.forward, by_row=split == "val")
                 parts["personalized"].append(personal)
                 if shared is not None:  # no personalization: the same numbers
                     parts["global"].append(personal if params is view else
                                            self._eval(split, ids, shared, False, self.algorithm.forward_global))
         metrics = {split: {kind: concat(p) for kind, p in parts.items() if p} for split, parts in out.items()}
-        return Evaluation(metrics, grad_samples)
+        val_rows = metrics["val"]["personalized"].pop("rows") if "val" in metrics else None
+        for parts in metrics.get("val", {}).values():
+            parts.pop("rows", None)  # the global model's, where it is the personalized one
+        return Evaluation(metrics, grad_samples, val_rows)
 
     def personalized_models(self, state: RunState, ids: torch.Tensor) -> tuple[Tree, bool, int]:
         """What clients `ids` are evaluated with, and the compute that took. Local work at
@@ -262,15 +265,16 @@ class Federation:
                     return f"{where}.{name}"
         return None
 
-    def _eval(self, split, ids, params, stacked, forward=None, variants=0) -> dict[str, torch.Tensor]:
+    def _eval(self, split, ids, params, stacked, forward=None, variants=0, by_row=False) -> dict[str, torch.Tensor]:
         return evaluate_clients(self.fresh_net(), self.task, self.splits[split], ids, params, stacked, forward,
-                                variants)
+                                variants, by_row)
 
 
 @dataclass
 class Evaluation:
     metrics: dict[str, dict[str, dict[str, torch.Tensor]]]  # split -> personalized/global -> metric -> [N]
     grad_samples: int  # compute spent personalizing every client (fine-tuning), 0 for most methods
+    val_rows: torch.Tensor | None = None  # the personalized models' per-row validation metric (`by_row`)
 
 
 _UPLOADED: dict[tuple[str, str], tuple] = {}  # (federation token, device) -> its samples there, per process
