@@ -41,7 +41,7 @@ from flows.prepare import prepare
 from flows.stage import check_prefect_api, prefect_api, stage_main
 from flows.train import train_experiment
 from pfl_tasks.algorithms import validate_params
-from pfl_tasks.config import load_params, read_params, snapshot_write
+from pfl_tasks.config import check_snapshot, load_params, read_params, snapshot_write
 from pfl_tasks.data import PARTITIONS
 from pfl_tasks.errors import ConfigError
 from pfl_tasks.outputs import json_text
@@ -104,6 +104,7 @@ def tune_flow(experiment: str, params_path: str = "params.yaml", root: str = "."
         print(f"{experiment}: widening the grids of {', '.join(grown)} past the edges chosen")
         tried = wider
     record = choose(params, experiment, results, seconds, tried)
+    check_snapshot()  # a params file edited meanwhile: no tuning file from the old one
     snapshot_write(tuning_path(Path(root), experiment), json_text(record))
     for method, entry in record["methods"].items():
         edge = "".join(f" (at the grid's edge in {key}: {why})" for key, why in entry["edge_reasons"].items())

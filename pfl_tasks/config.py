@@ -748,12 +748,18 @@ def params_snapshot() -> Iterator[None]:
     _snapshot = {}
     try:
         yield
-        changed = [path for path, text in _snapshot.items() if _read_bytes(path, missing=b"") != text]
-        if changed:
-            raise ConfigError(f"{changed[0]} changed during the stage, which ran on the version it read first: "
-                              "rerun it (dvc repro) for the new one")
+        check_snapshot()
     finally:
         _snapshot = None
+
+
+def check_snapshot() -> None:
+    """A ConfigError naming the first config file edited since the stage first read it
+    (`params_snapshot`): before a stage writes what other stages read, and at its end."""
+    changed = [path for path, text in (_snapshot or {}).items() if _read_bytes(path, missing=b"") != text]
+    if changed:
+        raise ConfigError(f"{changed[0]} changed during the stage, which ran on the version it read first: "
+                          "rerun it (dvc repro) for the new one")
 
 
 def snapshot_write(path: str | Path, text: str) -> None:

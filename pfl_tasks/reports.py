@@ -127,6 +127,9 @@ def collect(client, experiment: str, only: dict[tuple[str, int], str | None] | N
     ended = [r for r in runs if (r.info.status == "FINISHED" or "diverged_at" in r.data.tags)
              and "algorithm" in r.data.tags and "seed" in r.data.tags]
     ids = {r.info.run_id for r in ended}
+    if only is not None:
+        refuse_deleted(client, experiment, {key: run_id for key, run_id in only.items()
+                                            if run_id is not None and run_id not in ids})
     chosen: dict[str, dict[int, object]] = {}
     for run in ended:
         key = variant(run), int(run.data.tags["seed"])
@@ -143,7 +146,29 @@ def collect(client, experiment: str, only: dict[tuple[str, int], str | None] | N
     if not chosen:
         raise ComparisonError(f"MLflow experiment '{experiment}' has no finished runs tagged with an algorithm "
                               f"(`python -m flows.train {experiment}` marks those its checkpoints and metrics finished)")
+    lost = [f"{m} seed {seed}" for (m, seed), run_id in (only or {}).items()
+            if run_id is not None and seed not in chosen.get(m, {})]
+    if lost:
+        raise ComparisonError(f"{experiment}: {', '.join(lost)} finished in this workspace (its metrics file) but "
+                              f"{client.tracking_uri} holds no finished run of it: rerun its stage, or compare "
+                              "against the store that trained it")
     return chosen
+
+
+def refuse_deleted(client, experiment: str, missing: dict[tuple[str, int], str]) -> None:
+    """A ComparisonError naming the first configured run whose metrics file names an MLflow run
+    that was deleted (a report would silently lose it)."""
+    from mlflow.exceptions import MlflowException
+
+    for (method, seed), run_id in missing.items():
+        try:
+            deleted = client.get_run(run_id).info.lifecycle_stage == "deleted"
+        except MlflowException:  # not in this store: another clone's
+            continue
+        if deleted:
+            raise ComparisonError(
+                f"{experiment}: {method} seed {seed}: its metrics file names MLflow run {run_id}, which is deleted in "
+                f"{client.tracking_uri}: restore it (`mlflow runs restore --run-id {run_id}`) or rerun its stage")
 
 
 def variant(run) -> str:
@@ -205,9 +230,10 @@ class MethodResult:
     # a downstream method's validation metric at its curve's step 0 (Learn2pFed: the initial
     # Theta), mean over its seeds, on the rows `val` is on
     initial_val: float | None = None
-    # the standard error of `val` from its runs' validation rows (`selection.validation_score`,
-    # `_mean_se`), None where a run logged none
-    val_se: float | None = None
+    # Learn2pFed: the test metric of its untrained Theta (meta-epoch 0), mean over its seeds
+    initial_test: float | None = None
+    # seed -> per-client validation metric at the selected round (what tuning pairs points on)
+    val_clients: dict[int, np.ndarray] = field(default_factory=dict)
 
     @property
     def too_few_rounds(self) -> list[tuple[int, int, int]]:
@@ -258,18 +284,6 @@ def test_selected(client, run_ids: list[str], metric: str) -> float | None:
 def _mean(runs: list, key: str) -> float | None:
     values = [run.data.metrics[key] for run in runs if key in run.data.metrics]
     return statistics.fmean(values) if values else None
-
-
-def _mean_se(runs: list, key: str, hashes: dict[int, str]) -> float | None:
-    """The standard error of the mean over runs of values whose own standard errors are `key`:
-    combined as independent where the runs' partitions differ, their mean where the runs share
-    one (the same validation rows, so not independent samples of them)."""
-    values = [run.data.metrics.get(key) for run in runs]
-    if not values or None in values:
-        return None
-    if len(set(hashes.values())) == 1:
-        return statistics.fmean(values)
-    return math.sqrt(sum(v * v for v in values)) / len(values)
 
 
 def initial_validation(client, run_ids: list[str], metric: str) -> float | None:
@@ -324,7 +338,9 @@ def method_result(client, method: str, by_seed: dict[int, object], metric: str,
         validation_rows=next((r.data.tags["validation_rows"] for r in runs if "validation_rows" in r.data.tags),
                              ALL_VALIDATION),
         rule=rule,
-        val_se=_mean_se(runs, f"selected/val/personalized/{metric}_se", hashes),
+        initial_test=_mean(runs, f"initial/test/personalized/{metric}_mean"),
+        val_clients={s: t[f"val_personalized_{metric}"].to_numpy() for s, t in tables.items()
+                     if t is not None and f"val_personalized_{metric}" in t},
     )
 
 
@@ -577,14 +593,14 @@ def verdict_lines(results: list[MethodResult]) -> list[str]:
                      ) + f" significantly worse than {best.method}."
     if untested:
         lines[0] += f" Not tested against it (no partition in common): {', '.join(untested)}."
-    for r in worse:
-        inside = [g for g in group if rank[g.method] > rank[r.method]]
-        if inside:
-            lines.append(f"{r.method} (rank {rank[r.method]}) is outside the top group, while "
-                         f"{', '.join(f'{g.method} ({rank[g.method]})' for g in inside)} "
-                         f"{'are' if len(inside) > 1 else 'is'} inside. Ranks order the "
-                         f"means; the group is a paired test of each client's difference from {best.method}, "
-                         f"which {r.method}'s consistent deficit fails (p = {r.p_vs_best:.2g}).")
+    outranking = [(r, [g for g in group if rank[g.method] > rank[r.method]]) for r in worse]
+    for r, inside in (pair for pair in outranking if pair[1]):
+        lines.append(f"{r.method} (rank {rank[r.method]}, p = {r.p_vs_best:.2g}) is outside the top group, while "
+                     f"{', '.join(f'{g.method} ({rank[g.method]})' for g in inside)} "
+                     f"{'are' if len(inside) > 1 else 'is'} inside.")
+    if any(inside for _, inside in outranking):
+        lines.append(f"Ranks order the means; the group is a paired test of each client's difference from "
+                     f"{best.method}, which a consistent deficit fails.")
     by_method = {r.method: r for r in ranked}
     for name in BASELINES:
         seeds = by_method[name].plateaued if name in by_method else []
@@ -602,8 +618,9 @@ def verdict_lines(results: list[MethodResult]) -> list[str]:
 RUNS_COUNTED = (  # `configured_runs`, then `collect`
     "Runs: per configured method and seed, the MLflow run that its metrics file in this workspace names "
     "(metrics/<experiment>/<method>/seed-<seed>.json, as `dvc repro` or `dvc exp apply` left it). Where there is "
-    "no such file, or the store does not hold that run finished, the newest run of that method and seed that "
-    "finished or diverged.")
+    "no such file, or the store does not hold that run (another clone's), the newest run of that method and seed "
+    "that finished or diverged. A named run that was deleted, or a finished method without any run, stops the "
+    "report.")
 
 
 STATISTICS_NOTE = (
@@ -679,6 +696,11 @@ def markdown(experiment: str, metric: str, results: list[MethodResult], figures:
                       f"Θ), {r.val:.4f} at the selected meta-epochs, mean over seeds"
                       + ("." if gained else ": its meta-training adds nothing here; what it gains comes from its "
                          "cells run at the initial Θ.")]
+    for r in results:
+        if r.initial_test is not None and r.personalized is not None:
+            lines += ["", f"{r.method} with its untrained Θ (meta-epoch 0) scores test {metric} {r.initial_test:.4f}, "
+                          f"against {r.personalized[0]:.4f} at the selected meta-epochs (mean over seeds; shown, "
+                          "not tested, never selected on)."]
     unranked = [r for r in results if not r.ranked]
     if unranked:
         lines += ["", "Not ranked:", ""]
@@ -728,12 +750,12 @@ def tuning_lines(tuning: dict | None) -> list[str]:
              f"(`{tuning['selected_on']}` at its selected round; the test split is not read), over the grid below "
              f"(`tuning/{tuning['experiment']}.json`, stage `tune-{tuning['experiment']}`: "
              f"{tuning['seconds'] / 60:.1f} min of training on the machine that ran it). Of the points within "
-             "noise of the best (short of it by at most their standard errors combined, the validation rows' "
-             "sampling noise; – where none was logged), the choice is the one with the most keys inside their "
+             "noise of the best (short of it by at most the standard error of their difference, paired over "
+             "the seeds and clients; – with a single pair), the choice is the one with the most keys inside their "
              "grids. A best point at a grid's edge widened the grid one step past it, within the key's "
              "bounds, and the new points trained; values in italics are those widenings. ◆: the choice stays at the "
              "edge, so the best may lie beyond it; the last column says why.", "",
-             "| method | grid | chosen | validation (± SE) | best, where not chosen | points finished | ◆ why |",
+             "| method | grid | chosen | validation (± SE of the difference from the best) | best, where not chosen | points finished | ◆ why |",
              "|---|---|---|---|---|---|---|"]
     for method, entry in tuning["methods"].items():
         grid = "; ".join(f"{_key(key)} {', '.join(_value(v) if v in entry['grid'][key] else f'*{_value(v)}*' for v in values)}"

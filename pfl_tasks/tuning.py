@@ -26,7 +26,7 @@ from pfl_tasks.config import Params, ResolvedExperiment, RunOverride, parse_para
 from pfl_tasks.engine.evaluate import HIGHER_IS_BETTER
 from pfl_tasks.errors import ConfigError
 from pfl_tasks.grid import label, set_dotted
-from pfl_tasks.selection import within_noise
+from pfl_tasks.selection import paired_se_over, within_noise
 
 TUNING = Path("tuning")
 LOCAL_LR = "local.optimizer.lr"  # a grid's key for the local learning rate; the others are hyper-parameters
@@ -151,7 +151,7 @@ def widened(params: Params, experiment: str, record: dict) -> dict[str, dict[str
     out = {}
     for run, entry in record["methods"].items():
         grid = {key: list(values) for key, values in entry["tried"].items()}
-        for key, edge in edges(grid, entry["best"] or {}).items():
+        for key, edge in (edges(grid, entry["best"]) if entry["best"] else {}).items():  # none finished: no edge
             value = past_edge(params, experiment, run, key, grid[key], edge)
             if value is not None:
                 grid[key] = sorted([*grid[key], value])
@@ -190,9 +190,10 @@ def inside(grid: dict[str, list], point: dict) -> int:
 def choose(params: Params, experiment: str, results: list, seconds: float,
            tried: dict[str, dict[str, list]] | None = None) -> dict:
     """The tuning file's content: per method its configured and `tried` grids, every point's
-    validation metric, mean over the tuning seeds (or why it has none), and its standard error
-    (`points_se`; None where its runs logged none: then only an exact tie counts as noise); the
-    best point, and the choice: of the points within noise of the best
+    validation metric, mean over the tuning seeds (or why it has none), and the standard error of
+    its difference from the best point, paired over seeds and clients (`points_se`,
+    `selection.paired_se_over`; None with a single pair: then only an exact tie counts as noise);
+    the best point, and the choice: of the points within noise of the best
     (`selection.within_noise`), the one with the most keys inside their grids (`inside`), the
     better score next, the earlier point last, so that a choice sits at an edge only where the
     edge beats every point inside by more than noise; the edges it sits on with why each stays
@@ -200,18 +201,17 @@ def choose(params: Params, experiment: str, results: list, seconds: float,
     MethodResults (`pfl_tasks.reports`)."""
     by_name = {r.method: r for r in results}
     metric = next((r.metric for r in results), "acc")
-    higher, sign = HIGHER_IS_BETTER[metric], 1 if HIGHER_IS_BETTER[metric] else -1
+    sign = 1 if HIGHER_IS_BETTER[metric] else -1
     cfg, seeds = params.tuning[experiment], tuning_seeds(params, experiment)
     tried = tried or grids(params, experiment)
     methods, every = {}, points(params, experiment, tried)
     for run, grid in grids(params, experiment).items():
         named = {name: point for name, (of, point) in every.items() if of == run}
         scores = {name: score(by_name.get(name), seeds) for name in named}
-        se = {name: by_name[name].val_se for name, value in scores.items() if not isinstance(value, str)}
-        best = max(se, key=lambda name: sign * scores[name]) if se else None
-        tied = [name for name in se
-                if within_noise((scores[best], se[best] or 0.0), (scores[name], se[name] or 0.0), higher)]
-        choice = max(tied, key=lambda name: (inside(tried[run], named[name]), sign * scores[name])) if tied else None
+        best = best_point(scores, sign)
+        se = {name: paired_se_over(by_name[best].val_clients, by_name[name].val_clients)
+              for name, value in scores.items() if not isinstance(value, str)}
+        choice = rule_choice(scores, se, named, tried[run], sign)
         chosen = named[choice] if choice else None
         at = edges(tried[run], chosen) if chosen else {}
         methods[run] = {
@@ -223,6 +223,24 @@ def choose(params: Params, experiment: str, results: list, seconds: float,
             "grad_samples": sum(by_name[n].grad_samples or 0 for n in named if n in by_name)}
     return {"experiment": experiment, "metric": metric, "selected_on": f"validation/personalized/{metric}_mean",
             "seeds": seeds, "rounds_fraction": cfg.rounds_fraction, "seconds": round(seconds), "methods": methods}
+
+
+def best_point(scores: dict[str, float | str], sign: int) -> str | None:
+    """The point with the best score (the earlier of ties), None where none finished."""
+    finished = [name for name, value in scores.items() if not isinstance(value, str)]
+    return max(finished, key=lambda name: sign * scores[name]) if finished else None
+
+
+def rule_choice(scores: dict[str, float | str], se: dict[str, float | None], named: dict[str, dict],
+                grid: dict[str, list], sign: int) -> str | None:
+    """`choose`'s rule over points' `scores` and paired standard errors against the best (`se`):
+    of the points within noise of the best, the one with the most keys inside the grid, the
+    better score next, the earlier point last."""
+    best = best_point(scores, sign)
+    if best is None:
+        return None
+    tied = [name for name in se if within_noise(sign * (scores[best] - scores[name]), se[name] or 0.0)]
+    return max(tied, key=lambda name: (inside(grid, named[name]), sign * scores[name]))
 
 
 def score(result, seeds: list[int]) -> float | str:
@@ -259,6 +277,7 @@ def checked_tuning(params: Params, experiment: str, root: Path) -> dict | None:
     unless it holds, for each method, a choice by `choose`'s rule over the configured grid,
     widened or not, that is one of the points it tried."""
     record, path = read_tuning(root, experiment), tuning_path(root, experiment)
+    sign = 1 if record is None or HIGHER_IS_BETTER.get(record.get("metric"), True) else -1
     for run, grid in grids(params, experiment).items() if record is not None else ():
         entry = record["methods"].get(run)
         if (not isinstance(entry, dict) or entry.get("grid") != grid or not isinstance(entry.get("tried"), dict)
@@ -269,6 +288,12 @@ def checked_tuning(params: Params, experiment: str, root: Path) -> dict | None:
         if chosen is not None and not on_grid(tried, chosen):
             raise ConfigError(f"{path}: methods.{run}.chosen is {chosen}, not a point of its grid {tried}: "
                               f"rerun `dvc repro tune-{experiment}`")
+        named = {name: point for name, (of, point) in points(params, experiment, {run: tried}).items()}
+        scores, se = entry.get("points"), entry.get("points_se")
+        if (chosen is not None and isinstance(scores, dict) and isinstance(se, dict) and scores.keys() == named.keys()
+                and (rule := rule_choice(scores, se, named, tried, sign)) is not None and named[rule] != chosen):
+            raise ConfigError(f"{path}: methods.{run}.chosen is {chosen}, but its points choose {named[rule]}: "
+                              f"edited by hand? Rerun `dvc repro tune-{experiment}`")
     return record
 
 

@@ -91,6 +91,23 @@ def test_a_tuning_choice_off_its_grid_is_refused_naming_the_tuning_file_and_key(
         assert "params.yaml" not in str(info.value) and "run_overrides" not in str(info.value)
 
 
+def test_a_hand_edited_choice_that_is_another_grid_point_is_refused(tmp_path):
+    """lr 0.2 is a grid point, but lr 0.05 scored better beyond noise: the file's own points
+    choose 0.05, so a choice of 0.2 (shown beside 0.05's score) is an edit, refused in one line."""
+    raw = tuned_params()
+    params = validate_params(parse_params(raw))
+    record = choose(params, "tiny", [ranked_result("fedavg_lr0.05", 0.9, 0.9), ranked_result("fedavg_lr0.2", 0.9, 0.8),
+                                     ranked_result("fedprox_lr0.2_mu0.01", 0.9, 0.9)], seconds=1)
+    assert record["methods"]["fedavg"]["chosen"] == {LOCAL_LR: 0.05}
+    record["methods"]["fedavg"]["chosen"] = {LOCAL_LR: 0.2}
+    tuning_path(tmp_path, "tiny").parent.mkdir()
+    tuning_path(tmp_path, "tiny").write_text(json.dumps(record))
+    for read in (tuned, checked_tuning):
+        with pytest.raises(ConfigError, match=r"methods.fedavg.chosen is \{'local.optimizer.lr': 0.2\}, but its points "
+                                              r"choose \{'local.optimizer.lr': 0.05\}: edited by hand"):
+            read(params, "tiny", tmp_path)
+
+
 def test_a_tuning_file_whose_method_entry_is_not_a_mapping_names_the_tuning_file(tmp_path):
     raw = tuned_params()
     record = write_tuning(tmp_path, raw)

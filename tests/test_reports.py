@@ -228,6 +228,26 @@ def test_the_run_the_workspace_holds_counts_not_the_newest(tmp_path):
     assert newest.data.metrics["selected/test/personalized/acc_mean"] == pytest.approx(0.1)
 
 
+def test_a_deleted_or_missing_run_of_a_finished_method_stops_the_report_in_one_line(tmp_path):
+    """`mlflow runs delete` of the run a metrics file names would silently drop its method from
+    the report (and change the verdict): refused, naming the run and how to restore it. A
+    method finished in the workspace of which the store holds no run at all is refused too."""
+    from mlflow.tracking import MlflowClient
+
+    experiment = f"deleted-{uuid.uuid4().hex[:8]}"
+    local = log_run(tmp_path, experiment, "local", 0, [0.3, 0.3])
+    fedavg = log_run(tmp_path, experiment, "fedavg", 0, [0.2, 0.2])
+    client = MlflowClient(mlflow_uri())
+    client.delete_run(local)
+    with pytest.raises(ComparisonError, match=f"local seed 0: its metrics file names MLflow run {local}, which is "
+                                              f"deleted in .*mlflow runs restore --run-id {local}"):
+        collect(client, experiment, {("local", 0): local, ("fedavg", 0): fedavg})
+    with pytest.raises(ComparisonError, match="fedavg seed 1 finished in this workspace .* holds no finished run"):
+        collect(client, experiment, {("fedavg", 0): fedavg, ("fedavg", 1): "f" * 32})
+    client.restore_run(local)
+    assert set(collect(client, experiment, {("local", 0): local, ("fedavg", 0): fedavg})) == {"local", "fedavg"}
+
+
 def test_a_dvc_experiments_runs_use_the_projects_store_and_name_the_experiment(monkeypatch, tmp_path):
     """`dvc exp run --temp` runs the stages in a temporary copy with DVC_ROOT the project: a
     relative sqlite store is the project's; every run is tagged with its DVC experiment."""
@@ -308,6 +328,7 @@ def test_a_report_opens_with_its_verdict_in_short_sentences_and_its_premises_war
     warning (the protocol's budgets assume it does), and no header sentence runs past 30 words."""
     results = [ranked_result("fedavg_ft", 0.96), ranked_result("ditto", 0.955, p_vs_best=0.4),
                ranked_result("learn2pfed-train", 0.952, p_vs_best=0.01),
+               ranked_result("feddyn", 0.950, p_vs_best=0.001),
                ranked_result("knnper", 0.949, p_vs_best=0.2),
                ranked_result("fedavg", 0.926, p_vs_best=0.001, plateaued=(True, False)),
                ranked_result("local", 0.90, p_vs_best=0.001)]
@@ -315,11 +336,13 @@ def test_a_report_opens_with_its_verdict_in_short_sentences_and_its_premises_war
     first = text.splitlines()[2]
     assert first.startswith("**Verdict:** no method is significantly better than the others by the client mean of "
                             "the personalized test accuracy. The top group, not significantly different from "
-                            "fedavg_ft (rank 1): ditto, knnper. The other 3 ranked methods are significantly worse "
+                            "fedavg_ft (rank 1): ditto, knnper. The other 4 ranked methods are significantly worse "
                             "than fedavg_ft."), first
-    assert "learn2pfed-train (rank 3) is outside the top group, while knnper (4) is inside." in text
+    assert "learn2pfed-train (rank 3, p = 0.01) is outside the top group, while knnper (5) is inside." in text
+    assert "feddyn (rank 4, p = 0.001) is outside the top group, while knnper (5) is inside." in text
+    assert text.count("Ranks order the means") == 1  # explained once
     assert "⚠ The protocol chooses budgets on which fedavg plateaus, but it plateaued on 1 of 2 seeds" in text
-    assert "⚠ 11 of 12 ranked runs plateaued on validation: the ranking may be premature." in text
+    assert "⚠ 13 of 14 ranked runs plateaued on validation: the ranking may be premature." in text
     long = [s for s in header_sentences(text) if len(s.split()) > 30]
     assert not long, long
     alone = report_markdown("e", "acc", [ranked_result("a", 0.9), ranked_result("b", 0.8, p_vs_best=0.001)], {})
@@ -790,3 +813,12 @@ def test_no_two_methods_of_the_benchmark_share_a_setting_hash():
             tag = run_identity(exp.for_run(run, exp.seeds[0]), run, exp.hyper[run], "data")["setting_hash"]
             groups.setdefault(tag, []).append(run)
         assert all(len(runs) == 1 for runs in groups.values()), (name, groups)
+
+
+def test_learn2pfed_s_untrained_theta_is_shown_beside_its_selected_score():
+    """Its meta-training is measured against meta-epoch 0: both test numbers, in one sentence."""
+    results = [replace(ranked_result("learn2pfed-val", 0.9), initial_test=0.93), ranked_result("local", 0.8)]
+    text = report_markdown("e", "acc", results, {})
+    assert ("learn2pfed-val with its untrained Θ (meta-epoch 0) scores test acc 0.9300, against 0.9000 at the "
+            "selected meta-epochs") in text
+    assert text.count("untrained Θ") == 1  # local has none

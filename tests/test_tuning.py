@@ -4,6 +4,7 @@
 import json
 from dataclasses import replace
 
+import numpy as np
 import pytest
 
 from conftest import ranked_result, tiny_params
@@ -65,10 +66,12 @@ def test_the_grid_is_every_lr_times_every_key_value_at_a_fraction_of_each_method
     assert (l2sgd.federation.rounds, exp.hyper["l2sgd_lr2.0"]) == (20, {"p": 0.5, "algorithm": "l2sgd", "lr": 2.0})
 
 
-def seeded(method: str, test: float, val: float, seeds=(3, 4), se: float | None = 0.001):
-    """A ranked tuning point over the tuning seeds of `tuning_raw` (its mean validation `val`,
-    with standard error `se`)."""
-    return replace(ranked_result(method, test, val), seeds=list(seeds), val_se=se)
+def seeded(method: str, test: float, val: float, seeds=(3, 4), spread: float | None = 0.0):
+    """A ranked tuning point over the tuning seeds of `tuning_raw`: its mean validation `val`,
+    each seed's two clients at `val` + `spread` and `val` - `spread` (None: no client tables).
+    Against a point of spread 0, the paired standard error is `spread` / sqrt(3)."""
+    clients = {} if spread is None else {seed: np.array([val + spread, val - spread]) for seed in seeds}
+    return replace(ranked_result(method, test, val), seeds=list(seeds), val_clients=clients)
 
 
 def test_tuning_picks_the_validation_best_beyond_noise_never_the_test_best_and_marks_a_choice_at_the_edge():
@@ -102,26 +105,28 @@ def test_of_the_points_within_noise_of_the_best_the_choice_has_the_most_keys_ins
     lrs = (("0.005", 0.70), ("0.05", 0.79), ("0.5", 0.80))
 
     def local(se: float | None, metric: str = "acc") -> dict:
-        results = [replace(seeded(f"local_lr{lr}", 0.7, val if metric == "acc" else 1 - val, se=se), metric=metric)
+        """lr 0.5 the best; the others with a paired standard error `se` against it."""
+        results = [replace(seeded(f"local_lr{lr}", 0.7, val if metric == "acc" else 1 - val,
+                                  spread=None if se is None else 0.0 if lr == "0.5" else se * 3 ** 0.5), metric=metric)
                    for lr, val in lrs]
         return choose(params, "tiny", results, seconds=1)["methods"]["local"]
 
-    quiet, noisy, unknown = local(se=0.001), local(se=0.01), local(se=None)
+    quiet, noisy, unknown = local(se=0.001), local(se=0.015), local(se=None)
     assert quiet["chosen"] == quiet["best"] == {LOCAL_LR: 0.5} and quiet["at_edge"] == [LOCAL_LR]  # beyond noise
     assert noisy["chosen"] == {LOCAL_LR: 0.05} and noisy["best"] == {LOCAL_LR: 0.5}  # 0.01 short: within noise
-    assert (noisy["at_edge"], noisy["val"], noisy["se"], noisy["best_val"]) == ([], 0.79, 0.01, 0.80)
+    assert (noisy["at_edge"], noisy["val"], noisy["best_val"]) == ([], 0.79, 0.80) and noisy["se"] == pytest.approx(0.015)
     # the grid widens past the best's edge, not the choice's: a better lr may lie beyond 0.5
     assert widened(params, "tiny", {"methods": {"local": noisy}}) == {"local": {LOCAL_LR: [0.005, 0.05, 0.5, 5.0]}}
     assert unknown["chosen"] == {LOCAL_LR: 0.5} and unknown["points_se"] == dict.fromkeys(unknown["points"])
-    assert local(se=0.01, metric="mse")["chosen"] == {LOCAL_LR: 0.05}  # MSE: lower is better, the same rule
+    assert local(se=0.015, metric="mse")["chosen"] == {LOCAL_LR: 0.05}  # MSE: lower is better, the same rule
     assert local(se=0.001, metric="mse")["chosen"] == {LOCAL_LR: 0.5}
     row = next(line for line in tuning_lines(choose(params, "tiny", [], seconds=1) | {"methods": {"local": noisy}})
                if line.startswith("| local |"))
-    assert row == "| local | lr 0.005, 0.05, 0.5 | lr 0.05 | 0.7900 ± 0.0100 | lr 0.5: 0.8000 | 3/3 | – |"
+    assert row == "| local | lr 0.005, 0.05, 0.5 | lr 0.05 | 0.7900 ± 0.0150 | lr 0.5: 0.8000 | 3/3 | – |"
     # FedProx: lr 0.5 (an edge) and mu 0.01 (inside) are best; lr 0.05 with mu 1.0 is within noise but
     # at mu's edge; lr 0.05 with mu 0.01, inside both, is further short but within noise too: chosen
-    fedprox = [seeded("fedprox_lr0.5_mu0.01", 0.7, 0.800, se=0.005), seeded("fedprox_lr0.05_mu1.0", 0.7, 0.799, se=0.005),
-               seeded("fedprox_lr0.05_mu0.01", 0.7, 0.795, se=0.005), seeded("fedprox_lr0.005_mu0.001", 0.7, 0.5)]
+    fedprox = [seeded("fedprox_lr0.5_mu0.01", 0.7, 0.800), seeded("fedprox_lr0.05_mu1.0", 0.7, 0.799, spread=0.01),
+               seeded("fedprox_lr0.05_mu0.01", 0.7, 0.795, spread=0.01), seeded("fedprox_lr0.005_mu0.001", 0.7, 0.5)]
     assert choose(params, "tiny", fedprox, seconds=1)["methods"]["fedprox"]["chosen"] == {LOCAL_LR: 0.05, "mu": 0.01}
 
 
@@ -230,3 +235,28 @@ def test_the_stage_trains_each_widened_point_once_until_its_choice_is_inside_its
     assert sorted(runs["tags.mlflow.runName"]) == sorted(f"local_lr{lr}-seed{s}" for lr in lrs for s in (0, 1))
     params = validate_params(parse_params(raw))
     assert tuned(params, "tiny", project).for_run("local").local.optimizer.lr == 0.09
+
+
+def test_a_params_file_edited_while_the_grid_trains_leaves_no_tuning_file(project, monkeypatch):
+    """The stage fails at its end on a params file edited meanwhile; it must not first write a
+    tuning file chosen under the old one, which training would then read without a word."""
+    import yaml
+
+    import flows.tune
+    from pfl_tasks.config import params_snapshot
+
+    raw = tiny_params(algorithms=["local"])
+    raw["tuning"] = {"tiny": {"lr": [0.003, 0.01]}}
+    path = project / "params.yaml"
+    path.write_text(yaml.safe_dump(raw))
+
+    def edited(*args, **kwargs):
+        path.write_text(yaml.safe_dump({**raw, "seed": 7}))
+
+    monkeypatch.setattr(flows.tune, "prepare", lambda *args: None)
+    monkeypatch.setattr(flows.tune, "train_experiment", edited)
+    monkeypatch.setattr(flows.tune, "grid_results", lambda *args: [])
+    monkeypatch.setattr(flows.tune, "run_seconds", lambda *args: 0.0)
+    with pytest.raises(ConfigError, match="params.yaml changed during the stage"), params_snapshot():
+        flows.tune.tune_flow.fn("tiny", str(path), str(project))
+    assert not tuning_path(project, "tiny").exists()
