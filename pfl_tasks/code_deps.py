@@ -23,9 +23,12 @@ PACKAGES = ("pfl_tasks", "flows")
 REGISTRATION = ROOT / "pfl_tasks" / "algorithms" / "__init__.py"
 ROUND_RUNTIME = (ROOT / "pfl_tasks" / "engine" / "federation.py", ROOT / "pfl_tasks" / "engine" / "rounds.py")
 SELECTION = ROOT / "pfl_tasks" / "selection.py"  # which evaluation a run reports
-# CPython 3.11's parser keeps its recursion depth per process: two threads parsing at once (runs
-# side by side computing their identities) fail with "AST constructor recursion depth mismatch"
+# CPython 3.11's AST conversion keeps its recursion depth per process: two threads parsing at once
+# (runs side by side computing their identities) fail with "AST constructor recursion depth
+# mismatch". Our parses hold a lock; another library's parse in another thread can still collide,
+# and the parse is retried (it has no side effects).
 PARSING = threading.Lock()
+PARSE_TRIES = 5
 
 
 def _module_file(name: str) -> Path | None:
@@ -49,8 +52,7 @@ def _imported(path: Path) -> set[Path]:
     """The project files one file's module-level import statements name (a package's
     `__init__` with each of its modules). An import inside a function (the CLI's sweep path)
     is not a run's."""
-    with PARSING:
-        tree = ast.parse(path.read_text(), str(path))
+    tree = _parse(path)
     names = []
     for node in _module_level(tree.body):
         if isinstance(node, ast.Import):
@@ -63,6 +65,17 @@ def _imported(path: Path) -> set[Path]:
             parts = name.split(".")
             found |= {f for i in range(1, len(parts) + 1) if (f := _module_file(".".join(parts[:i])))}
     return found
+
+
+def _parse(path: Path) -> ast.Module:
+    source = path.read_text()
+    with PARSING:
+        for attempt in range(PARSE_TRIES):
+            try:
+                return ast.parse(source, str(path))
+            except SystemError:  # another thread's parse collided (see PARSING)
+                if attempt == PARSE_TRIES - 1:
+                    raise
 
 
 def run_code(*entries: Path) -> list[Path]:

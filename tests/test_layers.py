@@ -165,3 +165,24 @@ def test_the_library_imports_its_own_modules_where_code_deps_reads_them():
             for name, path in MODULES.items() if name.startswith("pfl_tasks")
             if (everywhere := {MODULES[m] for m in imports(path) - {name}}) - _imported(path)}
     assert lazy == {}
+
+
+def test_a_parse_that_collides_with_another_thread_s_is_retried(monkeypatch):
+    """CPython 3.11 fails a parse that another thread's parse interleaves with (a SystemError,
+    "AST constructor recursion depth mismatch"): a run's identity retries it, and finds the
+    same imports."""
+    import ast
+
+    from pfl_tasks import code_deps
+
+    expected = code_deps.run_code(code_deps.SELECTION)
+    real, failed = ast.parse, []
+
+    def colliding(*args, **kwargs):
+        if len(failed) < 2:
+            failed.append(1)
+            raise SystemError("AST constructor recursion depth mismatch (before=1, after=2)")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(code_deps.ast, "parse", colliding)
+    assert code_deps.run_code(code_deps.SELECTION) == expected and len(failed) == 2
