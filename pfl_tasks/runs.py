@@ -123,6 +123,25 @@ def checkpoint_problem(ckpt: dict, identity: dict, total: int) -> tuple[str | No
     return problem, unresumable
 
 
+def platforms_run(ckpt: dict, current: str) -> list[str]:
+    """The platforms (`engine.device.describe`) a resumed run has computed on, in order: one,
+    unless it was resumed on another with --on-config-change resume."""
+    earlier = ckpt.get("platforms") or [ckpt.get("platform", "")]
+    return earlier + ([current] if current != earlier[-1] else [])
+
+
+def mixed_platform_tags(platforms: list[str]) -> dict[str, str]:
+    """`platform.<fact>` tags for the facts that changed along a run's platforms, such as
+    `platform.numerics: portable, then native`: its numbers mix them."""
+    facts = [dict(fact.split(" ", 1) for fact in platform.split(", ") if " " in fact) for platform in platforms]
+    tags = {}
+    for key in dict.fromkeys(key for one in facts for key in one):
+        values = [one.get(key, "unrecorded") for one in facts]
+        if len(set(values)) > 1:
+            tags[f"platform.{key}"] = ", then ".join(v for i, v in enumerate(values) if i == 0 or v != values[i - 1])
+    return tags
+
+
 _UNDER_WAY: set[Run] = set()  # this process's runs, for `stop_runs`
 _UNDER_WAY_LOCK = threading.Lock()
 
@@ -169,6 +188,7 @@ class Run:
             self.resumed = resume_point(self.paths.checkpoint, self.identity, self.total, self.on_config_change)
             if self.resumed is not None:
                 self.done = self.resumed["round"]
+                self.identity["platforms"] = platforms_run(self.resumed, self.identity.get("platform", ""))
         except BaseException:
             self._lock.__exit__()
             raise
@@ -252,7 +272,8 @@ class Run:
         if self.tracker.to_resume:
             self.tracker.resume(mine)
         self.tracker.fail_stale_runs(key, "its process died (found RUNNING by a later run of the same output)")
-        self.tracker.log_params_and_tags(params, {**tags, IDENTITY_TAG: self.identity_tag()})
+        mixed = mixed_platform_tags(self.identity.get("platforms", []))
+        self.tracker.log_params_and_tags(params, {**tags, **mixed, IDENTITY_TAG: self.identity_tag()})
         history = self.resumed.get("history", []) if self.resumed else []
         if history:
             self.logged_through = self._stored_through(history)

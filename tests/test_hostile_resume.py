@@ -163,3 +163,28 @@ def test_a_normal_run_shows_every_round_aggregated(starved_and_normal):
     row, = (line for line in ranked_table.splitlines() if line.startswith("| 1 | fedavg"))
     assert "| 4/4 |" in row
     assert "mean" in starved_and_normal["table"]["fedavg"]["tiny"]
+
+
+def test_a_run_resumed_on_other_numerics_says_so_in_its_platform_tags(project, checkpointed):
+    """Rounds 1-2 computed under native numerics (the checkpoint says so), 3-4 under portable
+    (this process): `--on-config-change resume` continues, and the MLflow run's tag says
+    `native, then portable`, not the last alone; a second resume keeps the history."""
+    from mlflow.tracking import MlflowClient
+
+    from pfl_tasks.runs import mixed_platform_tags
+
+    shutil.copytree(checkpointed / "models", project / "models")
+    path = RunPaths.of(project, "tiny", "local", 0).checkpoint
+    ckpt = load_checkpoint(path, {})
+    here = ckpt["platform"]
+    assert "numerics portable" in here
+    save_checkpoint(path, {**ckpt, "platform": here.replace("numerics portable", "numerics native")})
+    final = train(project, configured(), "local", on_config_change="resume")
+    run = MlflowClient(mlflow_uri()).get_run(json.loads(RunPaths.of(project, "tiny", "local", 0).metrics.read_text())
+                                             ["mlflow_run"][0])
+    assert run.data.tags["platform.numerics"] == "native, then portable" and final["final/round"] == 4
+    assert load_checkpoint(path, {})["platforms"] == [here.replace("numerics portable", "numerics native"), here]
+    assert mixed_platform_tags(["device cpu, numerics portable", "device cpu, numerics native",
+                                "device cpu, numerics portable"]) == {
+        "platform.numerics": "portable, then native, then portable"}
+    assert mixed_platform_tags([here]) == {}
