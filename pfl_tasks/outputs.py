@@ -100,13 +100,14 @@ def dvc_curve(history: list[dict], task: str) -> list[dict]:
 
 
 def evaluation_line(record: dict, task: str) -> str:
-    """An evaluation's mean metric over clients, naming model and split: `acc personalized val
-    0.9520 test 0.9271, global test 0.8757`."""
+    """An evaluation's mean metric over clients on the split that selects (validation; test
+    where there is none), naming model and split: `acc val personalized 0.9520, global 0.8757`.
+    The console shows no test number while a run trains or tunes."""
     metric = PRIMARY[task]
-    parts = {kind: " ".join(f"{split} {record[key]:.4f}" for split in ("val", "test")
-                            if (key := f"{split}/{kind}/{metric}_mean") in record)
-             for kind in ("personalized", "global")}
-    return f"{metric} " + ", ".join(f"{kind} {text}" for kind, text in parts.items() if text)
+    split = "val" if f"val/personalized/{metric}_mean" in record else "test"
+    parts = [f"{kind} {record[key]:.4f}" for kind in ("personalized", "global")
+             if (key := f"{split}/{kind}/{metric}_mean") in record]
+    return f"{metric} {split} " + ", ".join(parts)
 
 
 def write_dvc_outputs(metrics_path: Path, curve_path: Path, final: dict, history: list[dict]) -> None:
