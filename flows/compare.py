@@ -1,6 +1,6 @@
 """`compare` stage: per experiment, a report built from MLflow alone — a ranking with 95% CIs,
 significance marks, plateau, compute and communication columns, learning curves, metric against
-compute, and per-client distributions (the protocol: pfl_tasks/reports.py).
+compute, and per-client distributions (the protocol: pfl_tasks/reports/).
 
 Writes `reports/compare/<experiment>.md` with its PNGs in `reports/figures/`, and each method's
 two statistics (client mean, sample-weighted) in `reports/ranking.json` (DVC metrics). Without names,
@@ -38,7 +38,10 @@ from pfl_tasks.config import load_params
 from pfl_tasks.errors import ComparisonError
 from pfl_tasks.files import OutputLock, atomic_write_text, remove_stale_temporaries
 from pfl_tasks.outputs import json_text
-from pfl_tasks.reports import best_line, configured_runs, downstream_methods, flips, results_store, write_report
+from pfl_tasks.reports import write_report
+from pfl_tasks.reports.results import configured_runs, downstream_methods, results_store
+from pfl_tasks.reports.text import best_line
+from pfl_tasks.reports.verdicts import flips
 from pfl_tasks.tuning import checked_tuning
 from pfl_tasks.tracking import tracking_uri as configured_uri
 

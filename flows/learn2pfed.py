@@ -62,7 +62,7 @@ from pfl_tasks.errors import CheckpointError, ConfigError
 from pfl_tasks.code_deps import ROOT, code_hash, numeric_code
 from pfl_tasks.nets import build_net, embed, head_keys, split_net
 from pfl_tasks.outputs import write_client_tables, write_csv
-from pfl_tasks.reports import PARTICIPATION_CSV, participation_figure_of, save_figure
+from pfl_tasks.reports.figures import PARTICIPATION_CSV, participation_figure_of, save_figure
 from pfl_tasks.runs import Run, RunPaths
 from pfl_tasks.engine.evaluate import HIGHER_IS_BETTER
 from pfl_tasks.selection import PRIMARY, Score, Selection, final_metrics, summarize_eval, validation_score

@@ -64,7 +64,9 @@ from pfl_tasks.config import SweepConfig, load_params, parse_params, read_params
 from pfl_tasks.errors import ConfigError, RunStopped
 from pfl_tasks.files import atomic_write_text
 from pfl_tasks.grid import parse_assignment, sweep_params, variant_runs
-from pfl_tasks.reports import best_line, best_per_method, interval, selection_metric, winner_on_validation
+from pfl_tasks.reports.results import selection_metric
+from pfl_tasks.reports.text import best_line, interval
+from pfl_tasks.reports.verdicts import best_per_method, winner_on_validation
 from pfl_tasks.tracking import MlflowRun, open_store, tracking_uri
 
 

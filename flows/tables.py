@@ -43,10 +43,10 @@ from flows.stage import stage_main
 from pfl_tasks.config import Params, TableConfig, VerdictConfig, load_params
 from pfl_tasks.errors import ConfigError
 from pfl_tasks.files import atomic_write_text
-from pfl_tasks.reports import (
-    collect, column_cells, configured_runs, interval, primary_metric, protocol_lines, results_store, summarize,
-    write_paper_table,
-)
+from pfl_tasks.reports.paper import column_cells, write_paper_table
+from pfl_tasks.reports.results import collect, configured_runs, primary_metric, results_store
+from pfl_tasks.reports.text import interval, protocol_lines
+from pfl_tasks.reports.verdicts import summarize
 from pfl_tasks.tracking import MlflowRun, flatten, tracking_uri
 
 REPORTS = Path("reports")

@@ -45,7 +45,8 @@ from pfl_tasks.config import check_snapshot, load_params, read_params, snapshot_
 from pfl_tasks.data import PARTITIONS
 from pfl_tasks.errors import ConfigError
 from pfl_tasks.outputs import json_text
-from pfl_tasks.reports import collect, configured_runs, primary_metric, results_store, summarize
+from pfl_tasks.reports.results import collect, configured_runs, primary_metric, results_store
+from pfl_tasks.reports.verdicts import summarize
 from pfl_tasks.tuning import choose, grids, tune_name, tuning_params, tuning_path, widened
 
 SWEEPS = Path("sweeps")  # where sweeps, and tunings, run: each its own params, data, runs and report

@@ -174,8 +174,8 @@ def tracking(**options):
 
 def ranked_result(method: str, test: float, val: float | None = None, p_vs_best: float | None = None,
                   plateaued=(True, True)):
-    """A ranked method of a comparison (two seeds), as `pfl_tasks.reports.summarize` makes one."""
-    from pfl_tasks.reports import MethodResult
+    """A ranked method of a comparison (two seeds), as `pfl_tasks.reports.verdicts.summarize` makes one."""
+    from pfl_tasks.reports.results import MethodResult
 
     return MethodResult(method, "acc", [0, 1], ["r0", "r1"], [], (test, test - 0.01, test + 0.01),
                         test if val is None else val, None, None, [2, 2], list(plateaued), None, None, None, False,
@@ -309,3 +309,14 @@ def listing_defaults(data: dict) -> dict:
     for run, keys in unlisted_defaults(validate_params(parse_params(data)), data).items():
         data.setdefault("algorithms", {}).setdefault(run, {}).update(keys)
     return data
+
+
+def read_until(stream, marker: str) -> list[str]:
+    """A child's output lines up to the first that holds `marker`: a fault test waits on what
+    the child says, never on a sleep."""
+    lines = []
+    for line in stream:
+        lines.append(line)
+        if marker in line:
+            break
+    return lines

@@ -117,7 +117,7 @@ def test_dvc_repro_runs_caches_and_reruns_only_what_changed(repo_copy):
     # or the train CLI's code no training, one algorithm's module the train stages running it
     # (whose flows then retrain only the runs whose identity changed, as the `-S` test below
     # shows for a hyper-parameter)
-    for plumbing in ("pfl_tasks/reports.py", "pfl_tasks/tracking.py", "pfl_tasks/outputs.py", "flows/train.py"):
+    for plumbing in ("pfl_tasks/reports/text.py", "pfl_tasks/tracking.py", "pfl_tasks/outputs.py", "flows/train.py"):
         (root / plumbing).write_text((root / plumbing).read_text() + "# an edit\n")
     assert stale(root, env) == {"tables", "compare"}
     fedprox = root / "pfl_tasks/algorithms/fedprox.py"

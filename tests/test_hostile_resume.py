@@ -18,7 +18,9 @@ from pfl_tasks.config import parse_params
 from pfl_tasks.engine.checkpoint import load_checkpoint, save_checkpoint
 from pfl_tasks.engine.rounds import InlineSteps
 from pfl_tasks.errors import CheckpointError
-from pfl_tasks.reports import best_line, configured_runs, write_report
+from pfl_tasks.reports import write_report
+from pfl_tasks.reports.results import configured_runs
+from pfl_tasks.reports.text import best_line
 from pfl_tasks.runs import RunPaths
 from pfl_tasks.training import finished_outcome, train_run
 

@@ -24,7 +24,7 @@ from pfl_tasks.engine.checkpoint import load_checkpoint, save_checkpoint
 from pfl_tasks.engine.rounds import InlineSteps
 from pfl_tasks.errors import ComparisonError, OutputLockedError, RunStopped
 from pfl_tasks.files import OutputLock
-from pfl_tasks.reports import configured_runs
+from pfl_tasks.reports.results import configured_runs
 from pfl_tasks.runs import RunPaths
 from pfl_tasks.training import train_run
 

@@ -74,7 +74,8 @@ def test_learn2pfed_head_on_upstream_body_resumes_and_lands_in_the_table(project
     assert run.data.tags["validation_rows"] == HELD_OUT_HALF  # the reports keep it out of ✓
     assert run.data.tags["engine.torch_threads"] == str(torch.get_num_threads())
     # what Theta became, per client and parameter group, beside its initial value: a table and its figure
-    from pfl_tasks.reports import PARTICIPATION_CSV, run_table
+    from pfl_tasks.reports.figures import PARTICIPATION_CSV
+    from pfl_tasks.reports.results import run_table
 
     assert {"participation.png", PARTICIPATION_CSV} <= {a.path for a in store.list_artifacts(run.info.run_id)}
     participation = run_table(store, run.info.run_id, PARTICIPATION_CSV)
@@ -82,7 +83,7 @@ def test_learn2pfed_head_on_upstream_body_resumes_and_lands_in_the_table(project
     assert (participation.lam_learned != participation.lam_initial).any()
     # its validation curve in MLflow runs to the last Theta (meta-epoch 12): the reports judge its plateau on it
     from pfl_tasks.config import VerdictConfig
-    from pfl_tasks.reports import plateaued
+    from pfl_tasks.reports.results import plateaued
 
     curve = store.get_metric_history(run.info.run_id, "val/personalized/acc_mean")
     assert {m.step for m in curve} == set(range(13))

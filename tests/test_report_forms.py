@@ -12,7 +12,8 @@ from pathlib import Path
 import numpy as np
 
 from conftest import ranked_result
-from pfl_tasks.reports import column_cells, csv_rows, latex, markdown
+from pfl_tasks.reports.paper import column_cells, csv_rows, latex
+from pfl_tasks.reports.text import markdown
 
 GOLDEN = Path(__file__).parent / "golden"
 

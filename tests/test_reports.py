@@ -20,8 +20,10 @@ from flows.tables import build_table, markdown
 from pfl_tasks.config import PlateauRule, VerdictConfig, parse_params
 from pfl_tasks.errors import ComparisonError
 from pfl_tasks.outputs import pin, write_csv
-from pfl_tasks.reports import (best_line, collect, markdown as report_markdown, plateaued, summarize, variant,
-                               winner_on_validation, write_report)
+from pfl_tasks.reports import write_report
+from pfl_tasks.reports.results import collect, plateaued, variant
+from pfl_tasks.reports.text import best_line, markdown as report_markdown
+from pfl_tasks.reports.verdicts import summarize, winner_on_validation
 from pfl_tasks.stats import mean_ci
 from pfl_tasks.tracking import MlflowRun
 
@@ -205,7 +207,7 @@ def test_the_run_the_workspace_holds_counts_not_the_newest(tmp_path):
     seed): the reports take that one, not the newest; without such a file, the newest."""
     from mlflow.tracking import MlflowClient
 
-    from pfl_tasks.reports import configured_runs
+    from pfl_tasks.reports.results import configured_runs
     from pfl_tasks.runs import RunPaths
 
     experiment = f"pinned-{uuid.uuid4().hex[:8]}"
@@ -276,7 +278,7 @@ def test_reports_read_per_client_tables_after_the_checkout_moved(tmp_path):
 
     from mlflow.tracking import MlflowClient
 
-    from pfl_tasks.reports import clients_table
+    from pfl_tasks.reports.results import clients_table
 
     before, after = tmp_path / "before", tmp_path / "after"
     before.mkdir()
@@ -385,7 +387,8 @@ def test_figures_fit_their_text_band_the_seeds_and_draw_a_shared_global_curve_on
     from matplotlib.colors import to_rgb
     from mlflow.tracking import MlflowClient
 
-    from pfl_tasks.reports import FIGURES, GREYED, ordered
+    from pfl_tasks.reports.figures import FIGURES, GREYED
+    from pfl_tasks.reports.verdicts import ordered
 
     experiment = f"figs-{uuid.uuid4().hex[:8]}"
     rng = np.random.default_rng(1)
@@ -446,7 +449,8 @@ def test_the_top_group_is_drawn_in_colors_none_grey_and_framed_by_its_own_range(
     import matplotlib.pyplot as plt
     from matplotlib.colors import to_rgb
 
-    from pfl_tasks.reports import _focus, method_styles, top_group
+    from pfl_tasks.reports.figures import _focus, method_styles
+    from pfl_tasks.reports.verdicts import top_group
 
     results = ([ranked_result(f"m{i}", 0.9 - i / 1000, p_vs_best=None if i == 0 else 0.001) for i in range(7)]
                + [ranked_result(f"top{i}", 0.8 - i / 1000, p_vs_best=0.5) for i in range(12)])
@@ -499,7 +503,7 @@ def test_compare_against_a_real_mlflow_server(project, tmp_path):
 
 def two_client_result(method: str, accs, p=None, p_weighted=None):
     """One seed of two clients of 10 and 100 test samples: both statistics from `accs`."""
-    from pfl_tasks.reports import MethodResult
+    from pfl_tasks.reports.results import MethodResult
 
     clients, sizes = {0: np.array(accs)}, {0: np.array([10.0, 100.0])}
     return MethodResult(method, "acc", [0], ["r"], [], mean_ci(list(clients.values())), 0.5, None, None, [2],
@@ -510,7 +514,7 @@ def two_client_result(method: str, accs, p=None, p_weighted=None):
 
 def clients_result(method: str, accs: list[float], sizes: list[float]):
     """One seed of clients with these accuracies and test samples: both statistics, no p-values yet."""
-    from pfl_tasks.reports import MethodResult
+    from pfl_tasks.reports.results import MethodResult
 
     clients, weights = {0: np.array(accs)}, {0: np.array(sizes)}
     return MethodResult(method, "acc", [0], ["r"], [], mean_ci(list(clients.values())), 0.5, None, None, [2],
@@ -528,7 +532,7 @@ def test_a_method_whose_tests_disagree_between_the_statistics_is_marked_with_a_s
     FedAvg on the client mean, not significantly different sample-weighted. Flagged ⚑ in both
     tables, with a sentence giving both gaps and p-values; Ditto, above FedAvg on every client and
     best by both, is not."""
-    from pfl_tasks.reports import flips, verdicts, with_p_values
+    from pfl_tasks.reports.verdicts import flips, verdicts, with_p_values
 
     results = with_p_values([
         clients_result("ditto", [a + 0.1 for a in FEDAVG], SIZES), clients_result("fedavg", FEDAVG, SIZES),
@@ -550,7 +554,7 @@ def test_a_point_estimate_difference_that_no_test_supports_flags_nothing():
     """The CFL case: a method level with FedAvg within noise, 0.001 above it on the client mean
     and 0.001 below it sample-weighted. Its sides by point estimate differ; neither test calls
     it different from FedAvg, so it is no flip (the tables still show both numbers)."""
-    from pfl_tasks.reports import flips, verdicts, with_p_values
+    from pfl_tasks.reports.verdicts import flips, verdicts, with_p_values
 
     cfl = [a + (0.004 if i % 2 else -0.002) for i, a in enumerate(FEDAVG[:15])] + [a + d for a, d in zip(FEDAVG[15:], [-0.006, 0.002, -0.004, 0.003, -0.005])]
     results = with_p_values([clients_result("fedavg", FEDAVG, SIZES), clients_result("cfl", cfl, SIZES)])
@@ -562,7 +566,7 @@ def test_a_point_estimate_difference_that_no_test_supports_flags_nothing():
 
 
 def test_a_method_in_the_top_group_by_one_test_only_is_flagged():
-    from pfl_tasks.reports import flips
+    from pfl_tasks.reports.verdicts import flips
 
     results = [two_client_result("ditto", [0.70, 0.95]), two_client_result("fedavg", [0.60, 0.90], 0.01, 0.01),
                two_client_result("local", [0.50, 0.95], 0.01, 0.5)]
@@ -571,7 +575,7 @@ def test_a_method_in_the_top_group_by_one_test_only_is_flagged():
 
 
 def test_a_per_method_sweep_names_each_methods_best_point_on_validation_over_every_experiment():
-    from pfl_tasks.reports import best_per_method
+    from pfl_tasks.reports.verdicts import best_per_method
 
     rankings = {
         "m-lr-lr0.1": [ranked_result("ditto_mu0.1", 0.95, val=0.80), ranked_result("fedavg", 0.90, val=0.85)],
@@ -588,7 +592,7 @@ def test_a_per_method_sweep_names_each_methods_best_point_on_validation_over_eve
 def test_a_table_exports_to_latex_and_csv_with_its_marks_and_unranked_reasons():
     """The paper forms of a table: a booktabs tabular (marks as superscripts, names escaped, an
     unranked cell's reason), and a CSV row per cell with every number unrounded."""
-    from pfl_tasks.reports import csv_rows, latex
+    from pfl_tasks.reports.paper import csv_rows, latex
 
     best = {"metric": "acc", "better": "higher", "rank": 2, "best": False, "mean": 0.91234, "ci_low": 0.9, "ci_high": 0.925, "seeds": 3,
             "weighted": 0.9, "not_worse_than_best": True, "global_only": False, "best_on_validation": True,
@@ -620,7 +624,7 @@ def test_a_columns_cells_rank_the_methods_and_the_top_group_includes_the_best():
     (`not_worse_than_best` alone is False for the winner and for significantly worse methods)."""
     from conftest import ranked_result
 
-    from pfl_tasks.reports import column_cells, csv_rows
+    from pfl_tasks.reports.paper import column_cells, csv_rows
 
     results = [ranked_result("ditto", 0.90, val=0.80), ranked_result("fedavg", 0.89, val=0.85, p_vs_best=0.4),
                ranked_result("local", 0.70, val=0.70, p_vs_best=0.001)]
@@ -640,7 +644,7 @@ def test_every_report_header_says_which_runs_it_counts():
 
     from flows.tables import markdown as table_markdown
     from pfl_tasks.config import VerdictConfig
-    from pfl_tasks.reports import RUNS_COUNTED
+    from pfl_tasks.reports.text import RUNS_COUNTED
 
     assert "its metrics file in this workspace names" in RUNS_COUNTED
     for text in (report_markdown("e", "acc", [ranked_result("ditto", 0.9, val=0.8)], {}),
@@ -666,7 +670,7 @@ def test_a_method_trained_downstream_of_another_says_whose_costs_precede_its_own
     only, so the report names the runs it stands on, for the methods it shows."""
     from conftest import ranked_result
     from pfl_tasks.config import parse_params
-    from pfl_tasks.reports import downstream_methods
+    from pfl_tasks.reports.results import downstream_methods
 
     params = parse_params({
         "datasets": {"d": {"source": {"name": "digits"}}},
@@ -698,7 +702,7 @@ def test_a_method_scored_on_other_validation_rows_is_not_the_choice_on_validatio
 
     from conftest import ranked_result
     from pfl_tasks.algorithms.learn2pfed_meta import HELD_OUT_HALF
-    from pfl_tasks.reports import winner_on_validation
+    from pfl_tasks.reports.verdicts import winner_on_validation
 
     half = replace(ranked_result("learn2pfed-val", 0.90, val=0.99), validation_rows=HELD_OUT_HALF)
     results = [half, ranked_result("learn2pfed-train", 0.89, val=0.95)]
@@ -716,7 +720,7 @@ def test_participation_figure_shows_each_group_initial_and_learned_and_fits_its_
 
     from pfl_tasks.algorithms.learn2pfed import Cells, Problem
     from pfl_tasks.algorithms.learn2pfed_meta import participation_table
-    from pfl_tasks.reports import participation_figure_of
+    from pfl_tasks.reports.figures import participation_figure_of
 
     problem = Problem(torch.ones(3, 4, 5, dtype=torch.float64), torch.zeros(3, 4, dtype=torch.long),
                       torch.ones(3, 4, dtype=torch.float64), n_classes=2)

@@ -35,7 +35,7 @@ def test_a_run_depends_on_the_numeric_core_and_its_own_algorithm_not_the_others_
             "pfl_tasks/config.py", "pfl_tasks/selection.py"} <= code  # selection picks the reported round
     assert not {"pfl_tasks/algorithms/fedprox.py", "pfl_tasks/algorithms/__init__.py",  # another, the registration
                 "pfl_tasks/tracking.py", "pfl_tasks/outputs.py", "pfl_tasks/runs.py",
-                "pfl_tasks/reports.py", "pfl_tasks/training.py",  # plumbing
+                "pfl_tasks/reports/__init__.py", "pfl_tasks/reports/results.py", "pfl_tasks/training.py",  # plumbing
                 "flows/train.py", "flows/stage.py", "flows/sweep.py"} & code
 
 
@@ -62,13 +62,14 @@ def test_a_stage_per_experiment_with_the_params_its_runs_read(tmp_path):
     assert {"pfl_tasks/algorithms/ditto.py", "pfl_tasks/algorithms/fedavg.py"} <= set(train["deps"])
     # an edit to the MLflow store, the run outputs or the CLI stales no train stage
     assert not {"pfl_tasks/algorithms/fedprox.py", "pfl_tasks/tracking.py", "pfl_tasks/outputs.py",
-                "pfl_tasks/reports.py", "flows/train.py", "flows/stage.py"} & set(train["deps"])
+                "pfl_tasks/reports/text.py", "flows/train.py", "flows/stage.py"} & set(train["deps"])
     assert train["cmd"] == "python -m flows.train e --on-config-change restart"
     assert all(next(iter(o.values()))["persist"] for o in train["outs"])
     # DVC's metrics are the ranking's means alone, so that `dvc exp show --only-changed` fits a terminal
     assert [stage for stage, spec in out.items() if "metrics" in spec] == ["compare"]
     assert out["compare"]["metrics"] == [{"reports/ranking.json": {"cache": False}}]
-    assert "pfl_tasks/reports.py" in out["compare"]["deps"]
+    assert {f"pfl_tasks/reports/{m}.py" for m in ("__init__", "results", "verdicts", "text", "paper", "figures")} <= set(
+        out["compare"]["deps"])
     # prepare depends on config, data and files only
     assert {d for d in out["prepare-d"]["deps"] if d.startswith("pfl_tasks/")} == {
         "pfl_tasks/__init__.py", "pfl_tasks/config.py", "pfl_tasks/errors.py", "pfl_tasks/files.py",

@@ -11,7 +11,7 @@ from conftest import ranked_result, tiny_params
 from pfl_tasks.algorithms import validate_params
 from pfl_tasks.config import parse_params
 from pfl_tasks.errors import ConfigError
-from pfl_tasks.reports import tuning_lines
+from pfl_tasks.reports.text import tuning_lines
 from pfl_tasks.tuning import LOCAL_LR, beyond, choose, points, tune_name, tuned, tuning_params, tuning_path, widened
 
 
