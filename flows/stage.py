@@ -30,6 +30,7 @@ from pfl_tasks.errors import (
     CheckpointError, ComparisonError, ConfigError, DataValidationError, OutputLockedError, OutputPathError,
     PartitionError, RunStopped, SourceError, TrackingError,
 )
+from pfl_tasks.store_process import RERUN
 
 EXPECTED = (ConfigError, DataValidationError, PartitionError, SourceError, CheckpointError, OutputLockedError,
             OutputPathError, TrackingError, ComparisonError)
@@ -314,12 +315,11 @@ def ending(err: Exception) -> str | None:
     what a rerun does; None for any other error."""
     url = prefect_unreachable(err)
     if url is not None:
-        return (f"the Prefect server at {url} stopped answering ({err}): rerun the stage "
-                "(finished runs are kept, the others resume from their last checkpoints)")
+        return f"the Prefect server at {url} stopped answering ({err}): {RERUN}"
     if not expected(err):
         return None
     if isinstance(err, OSError):
-        return f"{err.strerror}: {err.filename}: make room and rerun (finished runs are kept, others resume)"
+        return f"{err.strerror}: {err.filename}: make room and {RERUN}"
     return str(err)
 
 

@@ -29,6 +29,9 @@ from types import SimpleNamespace
 
 from pfl_tasks.errors import TrackingError
 
+# what a rerun of a stage that ended on an outage does (its last line says so)
+RERUN = "rerun the stage (finished runs are kept, the others resume from their last checkpoints)"
+
 _UNREACHABLE = ("ConnectionError", "ConnectTimeout", "ReadTimeout", "Timeout", "MaxRetryError", "NewConnectionError")
 _BUSY = ("TEMPORARILY_UNAVAILABLE", "REQUEST_LIMIT_EXCEEDED")  # MLflow's error codes worth another try
 
@@ -151,8 +154,7 @@ class _StoreProcess:
 
     def death(self) -> TrackingError:
         """The store process's end, as a stage says it: one line, with what a rerun does."""
-        return TrackingError(f"{self._ended}: rerun the stage (finished runs are kept, the others resume from "
-                             "their last checkpoints)")
+        return TrackingError(f"{self._ended}: {RERUN}")
 
     def _replies(self) -> None:
         try:

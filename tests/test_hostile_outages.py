@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import mlflow_uri
+from conftest import mlflow_uri, read_until
 from flows.stage import DRAIN_SECONDS, stage_main
 from pfl_tasks.config import TrackingConfig
 from pfl_tasks.runs import Run, RunPaths
@@ -209,11 +209,7 @@ def test_hostile_outage_a_stage_whose_prefect_server_is_killed_ends_in_seconds_i
     env = {**{k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}, "PYTHONPATH": str(REPO), "CI": "true"}
     stage = subprocess.Popen([sys.executable, "-m", "flows.train", "tiny"], cwd=tmp_path, env=env, text=True,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    lines = []
-    for line in stage.stdout:
-        lines.append(line)
-        if "tiny/fedavg/seed0 round 3:" in line:
-            break
+    lines = read_until(stage.stdout, "tiny/fedavg/seed0 round 3:")
     [server] = [p for p in psutil.Process(stage.pid).children() if "server" in p.cmdline()]
     server.kill()
     killed = time.monotonic()

@@ -249,7 +249,8 @@ def test_a_full_disk_is_one_line_naming_the_file_and_leaves_no_temporary(compare
     assert compare_main([name]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("compare failed: No space left on device: reports/"), err
-    assert err[0].endswith(": make room and rerun (finished runs are kept, others resume)")
+    assert err[0].endswith(": make room and rerun the stage (finished runs are kept, the others resume from their "
+                           "last checkpoints)")
     assert not [p for p in root.rglob(".*") if p.is_file()]
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import tiny_params
+from conftest import read_until, tiny_params
 
 REPO = Path(__file__).resolve().parents[1]
 RERUN = r"rerun the stage \(finished runs are kept, the others resume from their last checkpoints\)"
@@ -49,11 +49,7 @@ def test_the_store_process_killed_mid_run_is_one_line_exit_2_and_the_rerun_resum
     tiny_project(tmp_path, prepared_digits, rounds=20)
     stage = subprocess.Popen([sys.executable, "-m", "flows.train", "tiny"], cwd=tmp_path, env=stage_env(),
                              text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    lines = []
-    for line in stage.stdout:
-        lines.append(line)
-        if "tiny/fedavg/seed0 round 3:" in line:
-            break
+    lines = read_until(stage.stdout, "tiny/fedavg/seed0 round 3:")
     [store] = [p for p in psutil.Process(stage.pid).children() if "pfl_tasks.store_process" in p.cmdline()]
     store.kill()
     lines += stage.stdout.readlines()
