@@ -3,7 +3,6 @@ digits-shaped federations, one-experiment params), side-by-side timing, and the 
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
 import resource
@@ -13,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from bench.paths import result_stem
 from pfl_tasks.algorithms import build
 from pfl_tasks.config import parse_params
 from pfl_tasks.data import ClientSplit, FederatedData
@@ -123,7 +123,6 @@ def p3(reps: int, ns: list[int], k: int, device: str = "cpu") -> dict:
     return row
 
 
-RESULTS = Path(__file__).parent / "results"
 
 
 def fresh_env() -> dict[str, str]:
@@ -140,7 +139,28 @@ def heading(title: str) -> str:
 
 def write_results(name: str, record, text: str) -> None:
     """bench/results/<today>-<name>.{json,md}, and the text on the console."""
-    stem = RESULTS / f"{datetime.date.today().isoformat()}-{name}"
+    stem = result_stem(name)
     stem.with_suffix(".json").write_text(json.dumps(record, indent=1))
     stem.with_suffix(".md").write_text(text)
     print(text, end="")
+
+
+# Learn2pFed's polynomial tasks, by params file (its studies and `bench.learn2pfed_selection`)
+TASKS = {"params.yaml": ["poly1"],
+         "params-extended.yaml": ["poly2", "poly3", "poly1_scarce", "poly2_scarce", "poly3_scarce"]}
+
+
+def problems(params, experiment: str, seed: int, bias: bool):
+    """(train, val, test) stacks of the experiment's partition for `seed`, as the stage builds them."""
+    from pfl_tasks.algorithms.learn2pfed_meta import padded_problem
+    from pfl_tasks.estimate import built_partition
+
+    exp = params.experiment(experiment)
+    data = built_partition(exp.dataset, params.datasets[exp.dataset], seed)
+
+    def features(x):
+        flat = x.flatten(1)
+        return torch.cat([flat, torch.ones(len(x), 1)], 1) if bias else flat
+
+    return tuple(padded_problem(split, features(split.x), 0, name) for split, name in
+                 ((data.train, "training"), (data.val, "validation"), (data.test, "test")))

@@ -21,8 +21,7 @@ import sys
 
 import torch
 
-from bench.common import write_results
-from bench.learn2pfed_options import TASKS, problems
+from bench.common import TASKS, problems, write_results
 from flows.learn2pfed import Problems, meta_epochs, selection_scores
 from pfl_tasks.algorithms.learn2pfed import Cells
 from pfl_tasks.algorithms.learn2pfed_meta import (

@@ -22,8 +22,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+from bench.paths import result_stem
+
 REPO = Path(__file__).resolve().parent.parent
-RESULTS = REPO / "bench" / "results"
 TESTS = ["tests/test_costs.py"]
 
 
@@ -102,9 +103,9 @@ def main(argv: list[str] | None = None) -> int:
              f"`client_update` or one pass count of the engine; {len(rows) - len(missed)} caught by "
              f"{', '.join(TESTS)}, {len(missed)} missed.", "", "| mutant | caught |", "|---|---|"]
     lines += [f"| {r['mutant']} | {'yes' if r['caught'] else 'NO'} |" for r in rows]
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"{stamp}-mutations.md").write_text("\n".join(lines) + "\n")
-    (RESULTS / f"{stamp}-mutations.json").write_text(json.dumps(rows, indent=1))
+    stem = result_stem("mutations")
+    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    stem.with_suffix(".json").write_text(json.dumps(rows, indent=1))
     print(f"{len(rows) - len(missed)} of {len(rows)} mutants caught -> bench/results/{stamp}-mutations.md")
     return 0 if not missed else 1
 

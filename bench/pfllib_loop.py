@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import datetime
 import json
 import sys
 import tempfile
@@ -48,7 +47,8 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from bench.common import interleaved
-from bench.run import P8_PROTOCOL, RESULTS, machine, matmul_gflops, matmul_seconds, p8_data, p8_federation
+from bench.paths import result_stem
+from bench.run import P8_PROTOCOL, machine, matmul_gflops, matmul_seconds, p8_data, p8_federation
 from pfl_tasks.engine.rounds import InlineSteps, run_round
 
 METHODS = ("fedavg", "local", "fedprox", "feddyn", "fedper", "fedrep", "apfl", "pfedme", "ditto")
@@ -383,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
     text = markdown(result)
     print(text)
     if not args.quick:
-        out = RESULTS / f"{datetime.date.today()}-{result['machine']['host']}-pfllib-loop"
+        out = result_stem(f"{result['machine']['host']}-pfllib-loop")
         out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
         out.with_suffix(".md").write_text(text)
     return 0

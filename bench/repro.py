@@ -6,7 +6,7 @@ on a fresh clone of this commit, then the edit-reruns-only-dependents check on t
   - a stage process's fixed start: `import flows.train` in a fresh interpreter;
   - a run's fixed cost: a 1-round poly1 FedAvg run through Prefect in a warm process (flow run,
     MLflow, checkpoint, PNG, evaluation), against its 120-round run;
-  - edits: after appending a comment to pfl_tasks/reports.py, the MLflow store
+  - edits: after appending a comment to pfl_tasks/reports/text.py, the MLflow store
     (pfl_tasks/tracking.py) or the run outputs (pfl_tasks/outputs.py), which stages `dvc status`
     calls changed (expected: tables, compare: no training); to the train CLI (flows/train.py):
     none; to pfl_tasks/algorithms/ditto.py: the tune and train stages of the experiments running
@@ -38,8 +38,9 @@ from pathlib import Path
 
 import yaml
 
+from bench.paths import result_stem
+
 REPO = Path(__file__).resolve().parents[1]
-RESULTS = REPO / "bench" / "results"
 
 
 def clone(into: Path, params: str) -> Path:
@@ -151,8 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--params", default="params.yaml")
     parser.add_argument("--workdir", type=Path, help="clone and run here, and keep it (default: a temporary folder)")
     args = parser.parse_args(argv)
-    RESULTS.mkdir(exist_ok=True)
-    stem = RESULTS / f"{datetime.date.today()}-{socket.gethostname()}-repro{'' if args.params == 'params.yaml' else '-quick'}"
+    stem = result_stem(f"{socket.gethostname()}-repro{'' if args.params == 'params.yaml' else '-quick'}")
     result = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "host": socket.gethostname(),
               "cores": os.cpu_count(), "params": args.params, "stages": {}}
 
@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         with_ditto = {f"{kind}-{name}" for name, exp in params["experiments"].items() if "ditto" in exp["algorithms"]
                       for kind in ("train", "tune") if kind == "train" or name in params.get("tuning", {})}
         trained = {name for name in stages(root) if name.startswith(("tune-", "train-", "learn2pfed-"))}
-        for rel, expected in (("pfl_tasks/reports.py", reports), ("pfl_tasks/tracking.py", reports),
+        for rel, expected in (("pfl_tasks/reports/text.py", reports), ("pfl_tasks/tracking.py", reports),
                               ("pfl_tasks/outputs.py", reports), ("flows/train.py", set()),
                               ("pfl_tasks/algorithms/ditto.py", with_ditto),
                               ("pfl_tasks/selection.py", trained | reports)):

@@ -55,6 +55,7 @@ import torch
 import yaml
 
 from bench.common import MODELS, interleaved, one_round, p1, p3
+from bench.paths import RESULTS, result_stem
 from pfl_tasks import numerics
 from pfl_tasks.algorithms import ALGORITHMS, build
 from pfl_tasks.code_deps import ROOT
@@ -62,7 +63,6 @@ from pfl_tasks.config import TrackingConfig, load_params, parse_params
 from pfl_tasks.engine.federation import Federation
 from pfl_tasks.engine.rounds import InlineSteps, run_round
 
-RESULTS = Path(__file__).parent / "results"
 # ----------------------------------------------------------------------------- P4
 UNEVEN = {
     "Synthetic(0.5, 0.5) natural, 30 clients, linear": (
@@ -703,8 +703,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def write(result: dict, quick: bool, part: str = "") -> int:
-    RESULTS.mkdir(exist_ok=True)
-    stem = RESULTS / f"{datetime.date.today()}-{result['machine']['host']}{part}{'-quick' if quick else ''}"
+    stem = result_stem(f"{result['machine']['host']}{part}{'-quick' if quick else ''}")
     stem.with_suffix(".json").write_text(json.dumps(result, indent=1))
     text = markdown(result)
     stem.with_suffix(".md").write_text(text)

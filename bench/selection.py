@@ -39,6 +39,7 @@ from pathlib import Path
 import yaml
 
 from pfl_tasks.code_deps import ROOT
+from bench.paths import result_stem
 from pfl_tasks.config import load_params
 from pfl_tasks.engine.checkpoint import load_checkpoint
 from pfl_tasks.engine.evaluate import HIGHER_IS_BETTER
@@ -46,7 +47,6 @@ from pfl_tasks.numerics import NUMERICS, PORTABLE
 from pfl_tasks.runs import RunPaths
 from pfl_tasks.selection import SELECTION_RULE
 
-RESULTS = Path(__file__).parent / "results"
 RULES = ("rule", "unpaired", "argmax")
 RESTRICTIONS = ("MKL_ENABLE_INSTRUCTIONS", "ATEN_CPU_CAPABILITY")  # an older CPU's code paths, if set for the run
 
@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
               "runs": {e: {mode: selections(work / mode, e) for mode in NUMERICS} for e in args.experiments}}
     result["summary"] = [summary(result["runs"][e], e) for e in args.experiments]
     suffix = "" if args.experiments == ["mnist", "poly1"] else "-" + "-".join(args.experiments)
-    stem = RESULTS / f"{datetime.date.today()}-selection{suffix}"
+    stem = result_stem(f"selection{suffix}")
     stem.with_suffix(".json").write_text(json.dumps(result, indent=1))
     stem.with_suffix(".md").write_text(markdown(result))
     print(markdown(result))

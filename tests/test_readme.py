@@ -242,7 +242,7 @@ def make_targets() -> set[str]:
     return set(re.findall(r"^([A-Za-z][\w-]*):", (REPO / "Makefile").read_text(), re.M))
 
 
-MODULE = re.compile(r"python -m ((?:flows|bench)\.\w+)((?:\s+[^#&|;]*)?)")
+MODULE = re.compile(r"python -m ((?:flows|bench)(?:\.\w+)+)((?:\s+[^#&|;]*)?)")
 FLAG = re.compile(r"(?<![\w-])(--[a-z][\w-]*)")
 
 

@@ -9,7 +9,7 @@ the most that stacking C configurations can gain over training them one after an
 again with two such rounds at once on threads of their own, as a stage trains runs side by side:
 there, fewer steps to dispatch could also hold Python's lock less.
 
-    python -m bench.stacking_ceiling            # about 8 minutes
+    python -m bench.studies.stacking_ceiling            # about 8 minutes
 
 Writes bench/results/<date>-stacking-ceiling.{json,md}.
 """
@@ -21,17 +21,16 @@ import dataclasses
 import datetime
 import json
 import os
-from pathlib import Path
 
 import torch
 
 from bench.common import interleaved, one_round
+from bench.paths import result_stem
 from bench.run import matmul_gflops, p8_data, p8_federation
 from flows.train import side_by_side
 from pfl_tasks.data.store import ClientSplit
 from pfl_tasks.engine.federation import Federation
 
-RESULTS = Path(__file__).parent / "results"
 
 
 def repeated(split: ClientSplit, copies: int) -> ClientSplit:
@@ -85,7 +84,7 @@ def main() -> None:
     out = {"date": date, "case": "P8's training round (mnist, MLP 784-100-10, 1 epoch of batch 10, SGD lr 0.05, every "
                                  "client, 1 torch thread, not evaluated) on C copies of every client, one chunk",
            "matmul_gflops": gflops, "cores": os.cpu_count(), "reps": args.reps, "rows": rows}
-    (RESULTS / f"{date}-stacking-ceiling.json").write_text(json.dumps(out, indent=1) + "\n")
+    result_stem("stacking-ceiling").with_suffix(".json").write_text(json.dumps(out, indent=1) + "\n")
     lines = [f"# Stacking configurations: the ceiling on this CPU ({date})", "",
              f"{out['case']}; medians of {args.reps} interleaved rounds; {os.cpu_count()} cores; 1-thread 1024² matmul "
              f"at {gflops:.0f} GFLOP/s in this run. t(C): a round on C copies; t2(C): two such rounds at once, "
@@ -101,8 +100,8 @@ def main() -> None:
     lines += ["", f"The most any method gains over one configuration at a time: "
               f"{best['most_saved_over_sequential']:.2f}x ({best['algorithm']}, C = {best['copies']}). Where C copies "
               "cost C times one configuration, stacking saves nothing.", "",
-              "Rerun: `python -m bench.stacking_ceiling`."]
-    (RESULTS / f"{date}-stacking-ceiling.md").write_text("\n".join(lines) + "\n")
+              "Rerun: `python -m bench.studies.stacking_ceiling`."]
+    result_stem("stacking-ceiling").with_suffix(".md").write_text("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

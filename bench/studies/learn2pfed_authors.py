@@ -14,7 +14,7 @@ points, shifts 100 U(-0.1, 0.1) on the cubic coefficient, noise N(0, 0.1). Featu
     `learn2pfed` stage selects it; the authors' net trained on the same 85% rows.
   - the authors' net is run with net seeds 0, 1, 2 (its random v, w and Lambda draws).
 
-    python -m bench.learn2pfed_authors     # about 5 minutes on one core
+    python -m bench.studies.learn2pfed_authors     # about 5 minutes on one core
 
 Writes bench/results/<date>-learn2pfed-authors.{json,md}.
 """
@@ -170,7 +170,7 @@ def main() -> int:
         print(json.dumps(row), flush=True)
     meta = cfg.meta
     lines = ["# Learn2pFed on the authors' polynomial data", "",
-             f"{datetime.datetime.now().isoformat(timespec='seconds')}; `python -m bench.learn2pfed_authors`. Clean-curve "
+             f"{datetime.datetime.now().isoformat(timespec='seconds')}; `python -m bench.studies.learn2pfed_authors`. Clean-curve "
              "MSE x1e-4 per data seed (module doc). The project: its defaults (Adam "
              f"{meta.lr}, {meta.decay_lr} from meta-epoch {meta.decay_epoch}, {meta.epochs} meta-epochs); the authors' net: "
              f"net seeds {', '.join(map(str, NET_SEEDS))} (the first is the demo as it runs; the others reseed its random draws).",

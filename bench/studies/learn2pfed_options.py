@@ -15,9 +15,9 @@ the stage selects it). The choice is made on the validation MSE of `train`-super
 (whose meta loss never sees the validation split); test MSE of both signals is reported beside
 it, never chosen on.
 
-    python -m bench.learn2pfed_options            # 32 minutes on 2 cores beside another 1-thread job
-    python -m bench.learn2pfed_options --quick    # one task, one seed, 20 meta-epochs: a smoke run
-    python -m bench.learn2pfed_options --held-out # `train` supervision, selected and scored on disjoint halves
+    python -m bench.studies.learn2pfed_options            # 32 minutes on 2 cores beside another 1-thread job
+    python -m bench.studies.learn2pfed_options --quick    # one task, one seed, 20 meta-epochs: a smoke run
+    python -m bench.studies.learn2pfed_options --held-out # `train` supervision, selected and scored on disjoint halves
 
 Writes bench/results/<date>-learn2pfed-options.{json,md}.
 """
@@ -32,23 +32,20 @@ import math
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
+from bench.common import TASKS, problems
+from bench.paths import result_stem
 from flows.learn2pfed import selection_scores
 from pfl_tasks.algorithms.learn2pfed import FLOOR, Cells
 from pfl_tasks.algorithms.learn2pfed_meta import (
-    evaluate, make_optimizer, meta_step, padded_problem, personalized_models, split_validation,
+    evaluate, make_optimizer, meta_step, personalized_models, split_validation,
     theta,
 )
 from pfl_tasks.config import load_params
 from pfl_tasks.selection import Selection
-from pfl_tasks.estimate import built_partition
 
-RESULTS = Path(__file__).parent / "results"
-TASKS = {"params.yaml": ["poly1"],
-         "params-extended.yaml": ["poly2", "poly3", "poly1_scarce", "poly2_scarce", "poly3_scarce"]}
 COMBOS = list(itertools.product(("diagonal", "full", "log-cholesky"), ("clients", "pooled")))
 
 
@@ -69,19 +66,6 @@ class LogCholeskyCells(Cells):
         factor = raw.diagonal(dim1=-2, dim2=-1).exp()[..., :, None] * (eye + raw.tril(-1))
         out["lam"] = factor @ factor.transpose(-1, -2) + FLOOR * eye
         return out
-
-
-def problems(params, experiment: str, seed: int, bias: bool):
-    """(train, val, test) stacks of the experiment's partition for `seed`, as the stage builds them."""
-    exp = params.experiment(experiment)
-    data = built_partition(exp.dataset, params.datasets[exp.dataset], seed)
-
-    def features(x):
-        flat = x.flatten(1)
-        return torch.cat([flat, torch.ones(len(x), 1)], 1) if bias else flat
-
-    return tuple(padded_problem(split, features(split.x), 0, name) for split, name in
-                 ((data.train, "training"), (data.val, "validation"), (data.test, "test")))
 
 
 def one_run(cfg, form: str, train, supervise, select, val, test, seed: int) -> dict:
@@ -198,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     result = measure(args.quick, args.held_out)
     suffix = ("-held-out" if args.held_out else "") + ("-quick" if args.quick else "")
-    stem = RESULTS / f"{datetime.date.today()}-learn2pfed-options{suffix}"
+    stem = result_stem(f"learn2pfed-options{suffix}")
     stem.with_suffix(".json").write_text(json.dumps(result, indent=1))
     stem.with_suffix(".md").write_text(markdown(result))
     print(markdown(result))

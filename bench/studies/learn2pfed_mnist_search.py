@@ -4,7 +4,7 @@ under other meta lrs, supervisions, initial rho and Lambda, and cell counts; 3 s
 meta-epochs. Prints, per setting and seed, the personalized validation accuracy of the Theta at
 meta-epoch 0 and its best and last, the meta loss, and the learned Theta's means.
 
-    python -m bench.learn2pfed_mnist_search        # in a checkout whose train-mnist stage ran; ~6 min
+    python -m bench.studies.learn2pfed_mnist_search        # in a checkout whose train-mnist stage ran; ~6 min
 """
 
 from __future__ import annotations

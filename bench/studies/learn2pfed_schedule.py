@@ -2,14 +2,14 @@
 and without the demo's step decay (to 1e-3 from meta-epoch 60), and the demo's SGD schedule on
 log-parameters, on the project's polynomial tasks (poly1-3 and their data-scarce variants,
 3 seeds; `train` supervision, the meta-epoch selected on validation as the stage selects it),
-and on the authors' data (bench.learn2pfed_authors: all rows, and 85% with selection).
+and on the authors' data (bench.studies.learn2pfed_authors: all rows, and 85% with selection).
 
 The choice reads the selected Theta's validation MSE only, each schedule against the default
 (Adam 0.05 with decay), paired over the 3 seeds; the clean-curve scores of the authors' data
 are printed beside it, never chosen on.
 
-    python -m bench.learn2pfed_schedule NAME[,NAME...] OUT   # one process per list; about 4 min a schedule
-    python -m bench.learn2pfed_schedule --report OUT...      # the tables, from the JSON files
+    python -m bench.studies.learn2pfed_schedule NAME[,NAME...] OUT   # one process per list; about 4 min a schedule
+    python -m bench.studies.learn2pfed_schedule --report OUT...      # the tables, from the JSON files
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import time
 import numpy as np
 import torch
 
-from bench.learn2pfed_authors import authors_data, clean_mse, split, stacked
-from bench.learn2pfed_options import problems
+from bench.studies.learn2pfed_authors import authors_data, clean_mse, split, stacked
+from bench.common import problems
 from flows.learn2pfed import selection_scores
 from pfl_tasks.algorithms.learn2pfed import Cells
 from pfl_tasks.algorithms.learn2pfed_meta import client_metrics, make_optimizer, meta_step, personalized_models
