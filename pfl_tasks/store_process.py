@@ -17,6 +17,7 @@ import concurrent.futures
 import contextlib
 import fcntl
 import itertools
+import logging
 import os
 import pickle
 import signal
@@ -214,6 +215,18 @@ def plain(value):
     return value
 
 
+class RetriedQuietly(logging.Filter):
+    """Drops MLflow's traceback of a store error worth another try (`transient`: a locked
+    sqlite store, a server briefly away): the caller retries it and says so in one line, where
+    MLflow logs 65 lines with the SQL statement."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and transient(record.exc_info[1]))
+
+
+MLFLOW_SQL_LOGGER = "mlflow.store.db.utils"  # where MLflow logs a failed SQL session
+
+
 def _serve(parent: int) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
@@ -229,6 +242,8 @@ def _serve(parent: int) -> None:
 
     from mlflow.entities import Metric, Param, RunTag
     from mlflow.tracking import MlflowClient
+
+    logging.getLogger(MLFLOW_SQL_LOGGER).addFilter(RetriedQuietly())
 
     clients: dict[str, MlflowClient] = {}
 

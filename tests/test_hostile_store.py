@@ -240,3 +240,26 @@ def test_a_resume_whose_mlflow_calls_fail_is_one_line_and_leaves_the_run_marked_
                                   "FAILED (the MLflow store refused to tag failure (the store refused the mark)")
     assert flows.train.main(argv) == 0
     assert the_run().info.status == "FINISHED"
+
+
+def test_mlflow_s_traceback_of_a_locked_store_is_dropped_where_the_call_is_retried():
+    """A write that meets a locked sqlite store: MLflow logs the SQLAlchemy error with its
+    traceback and SQL (65 lines), then the store process answers it as worth another try and the
+    stage retries, saying so in one line. Only that record is dropped; another error's stays."""
+    import logging
+
+    from pfl_tasks.store_process import MLFLOW_SQL_LOGGER, RetriedQuietly
+
+    logger = logging.getLogger(MLFLOW_SQL_LOGGER)
+
+    def record(err: Exception) -> logging.LogRecord:
+        return logger.makeRecord(MLFLOW_SQL_LOGGER, logging.ERROR, __file__, 1, "SQLAlchemy database error. %s",
+                                 (err,), (type(err), err, None))
+
+    locked, other = record(sqlite3.OperationalError("database is locked")), record(sqlite3.OperationalError("no such table"))
+    assert logger.filter(locked) and logger.filter(other)  # as MLflow alone logs them
+    logger.addFilter(quiet := RetriedQuietly())
+    try:
+        assert not logger.filter(locked) and logger.filter(other)
+    finally:
+        logger.removeFilter(quiet)
