@@ -188,9 +188,9 @@ def evaluated_round(fed: Federation):
     passes = {"train": [], "forward": []}
     evaluate_rows, original = [0], fed._eval
 
-    def counting_eval(split, ids, *args):
+    def counting_eval(split, ids, *args, **kwargs):
         evaluate_rows[0] += int(fed.splits[split].counts[ids.cpu()].sum())
-        return original(split, ids, *args)
+        return original(split, ids, *args, **kwargs)
 
     fed._eval = counting_eval
 
